@@ -1,0 +1,176 @@
+"""The connector interface, shaped like vLLM's `KVConnectorBase_V1`, split by role.
+
+The scheduler role runs inside the engine-core thread and decides *what* to transfer; the worker role
+moves the bytes and reports, once per step, which requests finished sending or receiving and which
+blocks failed to load. The connector never imports the scheduler: what it needs of a request and of a
+scheduler step is stated here as Protocols that the engine's types satisfy.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class ConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class RequestLike(Protocol):
+    """What the connector reads of a request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class SchedulerOutputLike(Protocol):
+    """What the connector reads of one scheduler step."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def finished_req_ids(self) -> set[str]: ...
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Layout of the paged KV cache: ONE float32 array of shape
+    `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`, C-contiguous.
+
+    A block is one contiguous run of `block_bytes`; within it, the heads of one (layer, K|V) pair are
+    contiguous, so a tensor-parallel rank that owns heads [h0, h1) of a block is `num_layers * 2` runs.
+    """
+
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    itemsize: int = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_blocks, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def head_bytes(self) -> int:
+        return self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_bytes
+
+    def head_runs(self, block_id: int, h0: int, h1: int) -> list[tuple[int, int]]:
+        """(offset, length) byte runs of heads [h0, h1) in `block_id`, in order."""
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        if h0 == 0 and h1 == self.num_kv_heads:
+            return [(block_id * self.block_bytes, self.block_bytes)]
+        runs = []
+        per_kv = self.num_kv_heads * self.head_bytes
+        base = block_id * self.block_bytes
+        for i in range(self.num_layers * 2):
+            runs.append((base + i * per_kv + h0 * self.head_bytes, (h1 - h0) * self.head_bytes))
+        return runs
+
+
+class ConnectorMetadata:
+    """Scheduler → worker message built once per step; each connector subclasses it."""
+
+
+class KVConnector(abc.ABC):
+    """Both roles in one class (as vLLM does); an instance is constructed for one role."""
+
+    def __init__(self, role: ConnectorRole) -> None:
+        self.role = role
+
+    # ---- scheduler role -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens that can be loaded from outside, whether the load is asynchronous).
+
+        None means "ask again later". Must not change any state."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Blocks were allocated for `request`; may be called twice for one async load (0 tokens the 2nd time)."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata: ...
+
+    @abc.abstractmethod
+    def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes. (delay_free, kv_transfer_params for the client)."""
+
+    def request_aborted_before_alloc(self, request: RequestLike) -> None:  # noqa: B027 - optional hook
+        """A request carrying kv_transfer_params ended before it got blocks (release-only pull)."""
+
+    # ---- worker role ----------------------------------------------------------------------------
+    def register_kv_cache(self, spec: KVCacheSpec, kv_cache: np.ndarray) -> None:  # noqa: B027 - optional
+        """Hand the worker the KV cache array so the transfer layer can register it."""
+
+    @abc.abstractmethod
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None: ...
+
+    @abc.abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call."""
+
+    @abc.abstractmethod
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Drain the block ids that failed to load since the last call."""
+
+    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
+        """Drain request id → (cause, message) for failed loads since the last call."""
+        return {}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /debug/state (pending_pulls, pending_sends, ...)."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class NoOpConnector(KVConnector):
+    """Colocated serving: nothing is ever loaded or sent."""
+
+    def __init__(self, role: ConnectorRole = ConnectorRole.SCHEDULER) -> None:
+        super().__init__(role)
+
+    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
+        return ConnectorMetadata()
+
+    def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()

@@ -1,0 +1,111 @@
+"""The data-plane interface: move bytes from local registered memory into a peer's registered memory.
+
+The receiving side only accepts bytes into ranges that one of its open *grants* allows (see
+`open_grant`), so a stale or hostile writer can never touch memory it was not invited into, and the
+receiver knows exactly which byte ranges each grant got completely written.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class TransferErrorCause(enum.StrEnum):
+    TIMEOUT = "timeout"  # deadline passed (peer frozen or too slow)
+    REFUSED = "refused"  # could not connect, or authentication refused
+    RESET = "reset"  # connection broke mid-transfer (peer died)
+    REJECTED = "rejected"  # peer refused the write: no grant, closed grant, out of range, unknown region
+    PROTOCOL = "protocol"  # malformed frame
+    CLOSED = "closed"  # this engine was closed
+    INVALID = "invalid"  # the caller asked for something impossible (unknown local region, bad range)
+
+
+class TransferError(Exception):
+    def __init__(self, cause: TransferErrorCause, message: str) -> None:
+        super().__init__(f"{cause.value}: {message}")
+        self.cause = cause
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOp:
+    """Copy `length` bytes from local `src_region[src_offset:]` to the peer's `dst_region[dst_offset:]`."""
+
+    src_region: str
+    src_offset: int
+    dst_region: str
+    dst_offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    region: str
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class TransferEngine(abc.ABC):
+    """One endpoint: it can both send (`write`) and receive (its listener, guarded by grants)."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """`host:port` that peers pass to `write`."""
+
+    @abc.abstractmethod
+    def register(self, name: str, buffer: Any) -> None:
+        """Register a writable, C-contiguous buffer (numpy array, bytearray, ...) under `name`."""
+
+    @abc.abstractmethod
+    def unregister(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def open_grant(self, ranges: Sequence[ByteRange]) -> str:
+        """Allow peers that present the returned token to write into `ranges` (receiver side)."""
+
+    @abc.abstractmethod
+    def written(self, token: str) -> list[ByteRange]:
+        """The byte ranges written completely so far under `token`, merged and sorted."""
+
+    @abc.abstractmethod
+    def close_grant(self, token: str) -> list[ByteRange]:
+        """Close the grant; once this returns no further byte lands. Returns the final `written` list."""
+
+    @abc.abstractmethod
+    def write(self, peer: str, token: str, ops: Sequence[WriteOp], deadline: float) -> None:
+        """Write `ops` into `peer` under its grant `token`; returns when all bytes landed.
+
+        `deadline` is an absolute `time.monotonic()` value. Raises `TransferError` on any failure,
+        never later than the deadline (plus scheduling slack).
+        """
+
+    @property
+    def tracks_progress(self) -> bool:
+        """True when `written` reports partial progress exactly (per-block recovery is possible)."""
+        return True
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def covered(written: Sequence[ByteRange], want: ByteRange) -> bool:
+    """True when `want` lies entirely inside one of the merged, sorted `written` ranges."""
+    for r in written:
+        if r.region == want.region and r.offset <= want.offset and want.end <= r.end:
+            return True
+    return False
