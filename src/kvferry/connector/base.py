@@ -118,9 +118,6 @@ class KVConnector(abc.ABC):
     def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called once when a request finishes. (delay_free, kv_transfer_params for the client)."""
 
-    def request_aborted_before_alloc(self, request: RequestLike) -> None:  # noqa: B027 - optional hook
-        """A request carrying kv_transfer_params ended before it got blocks (release-only pull)."""
-
     # ---- worker role ----------------------------------------------------------------------------
     def register_kv_cache(self, spec: KVCacheSpec, kv_cache: np.ndarray) -> None:  # noqa: B027 - optional
         """Hand the worker the KV cache array so the transfer layer can register it."""

@@ -1,0 +1,99 @@
+"""`kvferry` command line: serve, proxy, demo, bench, chaos."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from kvferry.engine.engine import Engine, EngineConfig
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run one instance (prefill, decode, or both colocated)")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (KV heads sharded over them)")
+    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
+    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="model weights seed (P, D and reference must agree)")
+    p.add_argument("--bootstrap-port", type=int, default=8998)
+    p.add_argument("--transfer", choices=["tcp", "mooncake"], default="tcp")
+    p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""))
+    p.add_argument("--abort-timeout", type=float, default=30.0)
+    p.add_argument("--kv-load-deadline", type=float, default=60.0)
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--log-level", default="warning")
+
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
+    p.add_argument("which", choices=["transfer", "failover", "scheduler", "e2e"])
+    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_bench(sub)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvferry.serving.api_server import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.role != "both":
+        print("kvferry serve: --role prefill/decode needs the P/D connector (not built yet)", file=sys.stderr)
+        return 2
+    config = EngineConfig(
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        seed=args.seed,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        role=args.role,
+        engine_id=args.engine_id or f"{args.role}-{args.host}:{args.port}",
+    )
+    engine = Engine(config)
+    engine.start()
+    try:
+        uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.stop()
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    if args.which == "scheduler":
+        from kvferry.bench import scheduler as bench_scheduler
+
+        bench_scheduler.run(args.json_path, quick=args.quick)
+        return 0
+    if args.which == "transfer":
+        from kvferry.bench import transfer as bench_transfer
+
+        bench_transfer.run(args.json_path, quick=args.quick)
+        return 0
+    print(f"kvferry bench {args.which}: not built yet", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "bench":
+        return bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

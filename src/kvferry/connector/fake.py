@@ -1,0 +1,127 @@
+"""A scripted connector for tests and benchmarks: it reports what the test planned, at the step it chose.
+
+Both roles live in one object. Steps are counted by `get_finished` calls (once per engine step).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.connector.base import ConnectorMetadata, ConnectorRole, KVConnector, RequestLike, SchedulerOutputLike
+
+# Called when a planned load completes, with the request's local block ids, to fill the KV cache.
+FillFn = Callable[[list[int]], None]
+
+
+@dataclass
+class LoadPlan:
+    num_tokens: int | None  # None: tokens = whole prompt
+    after_steps: int = 1
+    invalid_block_indices: tuple[int, ...] = ()
+    cause: tuple[str, str] | None = None  # reported with the failure; None = no cause
+    fill: FillFn | None = None
+    never_finish: bool = False
+
+
+@dataclass
+class _Event:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    fills: list[tuple[FillFn, list[int]]] = field(default_factory=list)
+
+
+class ScriptedConnector(KVConnector):
+    def __init__(self) -> None:
+        super().__init__(ConnectorRole.WORKER)
+        self.loads: dict[str, LoadPlan] = {}
+        self.sends: dict[str, int] = {}  # request id → steps after finish until finished_sending
+        self.step = 0
+        self._events: defaultdict[int, _Event] = defaultdict(_Event)
+        self._pending_loads: set[str] = set()
+        self._current = _Event()
+        self.finished_calls: list[str] = []
+        self.alloc_calls: list[tuple[str, list[int], int]] = []
+
+    # ---- planning (test API) ----------------------------------------------------------------------
+    def plan_load(self, request_id: str, plan: LoadPlan) -> None:
+        self.loads[request_id] = plan
+
+    def plan_send(self, request_id: str, after_steps: int = 1) -> None:
+        self.sends[request_id] = after_steps
+
+    def inject(self, after_steps: int, **fields: Any) -> None:
+        """Report arbitrary ids (e.g. unknown ones) `after_steps` steps from now."""
+        event = self._events[self.step + after_steps]
+        for name, values in fields.items():
+            getattr(event, name).update(values)
+
+    # ---- scheduler role ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = self.loads.get(request.request_id)
+        if plan is None or request.request_id in self._pending_loads:
+            return 0, False
+        tokens = request.num_prompt_tokens if plan.num_tokens is None else plan.num_tokens
+        return tokens, tokens > 0
+
+    def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self.alloc_calls.append((request.request_id, list(block_ids), num_external_tokens))
+        plan = self.loads.get(request.request_id)
+        if plan is None or num_external_tokens == 0:
+            return
+        self._pending_loads.add(request.request_id)
+        if plan.never_finish:
+            return
+        event = self._events[self.step + plan.after_steps]
+        event.finished_recving.add(request.request_id)
+        event.invalid_block_ids.update(block_ids[i] for i in plan.invalid_block_indices)
+        if plan.cause is not None:
+            event.failure_causes[request.request_id] = plan.cause
+        if plan.fill is not None:
+            event.fills.append((plan.fill, list(block_ids)))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
+        # An abort of a parked load is reported back on the next step, as a real worker would.
+        for request_id in scheduler_output.finished_req_ids & self._pending_loads:
+            plan = self.loads[request_id]
+            if plan.never_finish:
+                self._events[self.step + 1].finished_recving.add(request_id)
+        return ConnectorMetadata()
+
+    def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.finished_calls.append(request.request_id)
+        after = self.sends.get(request.request_id)
+        if after is None or not block_ids:
+            return False, None
+        self._events[self.step + after].finished_sending.add(request.request_id)
+        return True, {"do_remote_prefill": True, "transfer_id": f"xfer-{request.request_id}"}
+
+    # ---- worker role ------------------------------------------------------------------------------
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self.step += 1
+        event = self._events.get(self.step)
+        if event is None:
+            self._current = _Event()
+            return set(), set()
+        del self._events[self.step]
+        self._current = event
+        for fill, block_ids in event.fills:
+            fill(block_ids)
+        self._pending_loads -= event.finished_recving
+        return event.finished_sending, event.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._current.invalid_block_ids
+
+    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
+        return self._current.failure_causes
+
+    def stats(self) -> dict[str, Any]:
+        return {"pending_pulls": len(self._pending_loads)}

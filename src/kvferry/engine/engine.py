@@ -1,0 +1,287 @@
+"""The engine-core thread: schedule → connector meta → load → model → worker report → scheduler update.
+
+It is the only thread that touches scheduler state; everything else talks to it through a command
+queue, and it hands results back through per-request sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.connector.base import KVConnector, NoOpConnector
+from kvferry.connector.metrics import Metrics
+from kvferry.engine.block_pool import BlockPool
+from kvferry.engine.model import ModelConfig, TinyLlama, sample
+from kvferry.engine.request import Request, RequestStatus
+from kvferry.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkerResult
+from kvferry.engine.tokenizer import EOS_TOKEN_ID, decode
+
+log = logging.getLogger(__name__)
+
+# While transfers are pending the engine polls its worker this often even with nothing to compute.
+_POLL_INTERVAL_S = 0.001
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 2048
+    block_size: int = 16
+    seed: int = 0
+    kv_load_failure_policy: str = "fail"
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 64
+    role: str = "both"
+    engine_id: str = "engine-0"
+    model: ModelConfig | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_recomputed_tokens: int = 0
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Stream:
+    sink: Sink
+    emitted: int = 0
+    stop_checked: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler_connector: KVConnector | None = None,
+        worker_connector: KVConnector | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.model = TinyLlama(config.model or ModelConfig(seed=config.seed))
+        self.kv_spec = self.model.kv_cache_spec(config.num_blocks, config.block_size)
+        self.kv_cache = self.model.allocate_kv_cache(self.kv_spec)
+        self.pool = BlockPool(config.num_blocks)
+        self.scheduler_connector = scheduler_connector or NoOpConnector()
+        self.worker_connector = worker_connector or self.scheduler_connector
+        self.worker_connector.register_kv_cache(self.kv_spec, self.kv_cache)
+        sched_config = SchedulerConfig(
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            kv_load_failure_policy=config.kv_load_failure_policy,
+        )
+        self.scheduler = Scheduler(sched_config, self.pool, self.scheduler_connector)
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"engine-core-{config.engine_id}", daemon=True)
+        self.metrics.kv_blocks_total.set(config.num_blocks)
+        self.metrics.kv_blocks_free.set(config.num_blocks)
+        self.fatal_error: BaseException | None = None
+
+    # ---- thread-safe API --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self.worker_connector.close()
+        if self.scheduler_connector is not self.worker_connector:
+            self.scheduler_connector.close()
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        self._call(lambda: self._add(request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._call(lambda: self._abort(request_id))
+
+    def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
+        """State for /debug/state, computed on the engine thread so no step pays for it."""
+        future: Future[dict[str, Any]] = Future()
+        self._call(lambda: future.set_result(self._snapshot()))
+        return future.result(timeout=timeout)
+
+    def run_until_idle(self, max_steps: int = 100_000) -> int:
+        """Drive the engine on the calling thread (tests, benches; never with start()). Returns steps."""
+        for steps in range(max_steps):
+            self._drain_commands()
+            s = self.scheduler
+            if not (s.has_unfinished or s.remote or s.sending):
+                s.check_integrity()
+                return steps
+            self.step()
+        raise RuntimeError(f"engine not idle after {max_steps} steps")
+
+    def _call(self, command: Callable[[], None]) -> None:
+        if self._stopped.is_set():
+            raise RuntimeError("engine is stopped")
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        idle_checked = False
+        try:
+            while not self._stopped.is_set():
+                self._drain_commands()
+                s = self.scheduler
+                if s.has_unfinished or s.remote or s.sending:
+                    idle_checked = False
+                    self.step()
+                    if not s.has_unfinished:
+                        self._wakeup.wait(_POLL_INTERVAL_S)
+                        self._wakeup.clear()
+                    continue
+                if not idle_checked:
+                    s.check_integrity()
+                    idle_checked = True
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+        except BaseException as exc:  # an engine bug: fail every stream loudly rather than hang them
+            log.exception("engine core died")
+            self.fatal_error = exc
+            for request_id, stream in list(self._streams.items()):
+                stream.sink(RequestOutput(request_id, [], True, "error", "engine_error", repr(exc)))
+            self._streams.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _add(self, request: Request, sink: Sink) -> None:
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as exc:
+            sink(RequestOutput(request.request_id, [], True, "error", "invalid_request", str(exc)))
+            return
+        self._streams[request.request_id] = _Stream(sink)
+
+    def _abort(self, request_id: str) -> None:
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self._emit(request)
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self.worker_connector.start_load_kv(self.scheduler_connector.build_connector_meta(out))
+        sampled: dict[str, int] = {}
+        for chunk in out.chunks:
+            request = chunk.request
+            end = chunk.start_pos + chunk.num_tokens
+            logits = self.model.forward(
+                self.kv_cache,
+                self.config.block_size,
+                request.all_token_ids[chunk.start_pos : end],
+                chunk.start_pos,
+                self.scheduler.block_tables[request.request_id],
+            )
+            if end == request.num_tokens:
+                params = request.sampling_params
+                sampled[request.request_id] = sample(logits, params.temperature, params.seed, request.num_tokens)
+        finished_sending, finished_recving = self.worker_connector.get_finished(out.finished_req_ids)
+        report = WorkerResult(
+            finished_sending,
+            finished_recving,
+            self.worker_connector.get_block_ids_with_load_errors(),
+            self.worker_connector.get_failure_causes(),
+        )
+        recomputed_before, unknown_before = self.scheduler.num_recomputed_tokens, self.scheduler.num_unknown_ids
+        for request in self.scheduler.update(out, sampled, report):
+            if not request.is_finished:
+                status = self._stop_status(request)
+                if status is not None:
+                    self.scheduler.finish(request, status)
+            self._emit(request)
+        self._update_gauges(recomputed_before, unknown_before)
+        return out
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if (token == EOS_TOKEN_ID and not params.ignore_eos) or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop and any(stop in decode(request.output_token_ids) for stop in params.stop):
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _emit(self, request: Request) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        new_tokens = request.output_token_ids[stream.emitted :]
+        stream.emitted = len(request.output_token_ids)
+        finished = request.is_finished
+        output = RequestOutput(
+            request.request_id,
+            new_tokens,
+            finished,
+            request.status.finish_reason,
+            request.error_code,
+            request.error_message,
+            request.out_kv_transfer_params,
+            request.num_prompt_tokens,
+            len(request.output_token_ids),
+            request.num_recomputed_tokens,
+        )
+        if finished:
+            del self._streams[request.request_id]
+            self.metrics.requests_finished.labels(reason=request.status.finish_reason).inc()
+        try:
+            stream.sink(output)
+        except Exception:  # a broken client sink must never take the engine down
+            log.exception("output sink for %s failed", request.request_id)
+
+    def _update_gauges(self, recomputed_before: int, unknown_before: int) -> None:
+        m, s = self.metrics, self.scheduler
+        m.kv_blocks_free.set(self.pool.num_free)
+        m.requests_waiting_for_remote_kv.set(len(s.remote))
+        if s.num_recomputed_tokens > recomputed_before:
+            m.recomputed_tokens.inc(s.num_recomputed_tokens - recomputed_before)
+        if s.num_unknown_ids > unknown_before:
+            m.unknown_connector_ids.inc(s.num_unknown_ids - unknown_before)
+
+    def _snapshot(self) -> dict[str, Any]:
+        stats = self.worker_connector.stats()
+        return {
+            "role": self.config.role,
+            "engine_id": self.config.engine_id,
+            "requests_by_status": self.scheduler.requests_by_status(),
+            "blocks_total": self.pool.num_total,
+            "blocks_free": self.pool.num_free,
+            "pending_pulls": int(stats.get("pending_pulls", 0)),
+            "pending_sends": int(stats.get("pending_sends", 0)) + len(self.scheduler.sending),
+            "step": self.scheduler.step_count,
+            "unknown_connector_ids": self.scheduler.num_unknown_ids,
+            "recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "connector": stats,
+            "time": time.time(),
+        }

@@ -1,0 +1,296 @@
+"""Continuous batching under a token budget, recompute-style preemption, and the connector contract."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvferry.connector.base import KVConnector
+from kvferry.engine.block_pool import BlockPool
+from kvferry.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 64
+    kv_load_failure_policy: str = "fail"  # or "recompute"
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start_pos: int
+    num_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class WorkerResult:
+    """What the worker side reported after one step."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, connector: KVConnector) -> None:
+        self.config = config
+        self.pool = pool
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, or aborted while waiting
+        self.block_tables: dict[str, list[int]] = {}
+        self.sending: dict[str, list[int]] = {}  # finished, blocks lent to the connector (delay_free)
+        self._remote_block_owner: dict[int, str] = {}
+        self._first_invalid: dict[str, int] = {}  # remote request id → index of its first invalid block
+        self._failure_causes: dict[str, tuple[str, str]] = {}
+        self._finished_since_last_step: set[str] = set()
+        self.step_count = 0
+        self.num_unknown_ids = 0
+        self.num_recomputed_tokens = 0
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # The worker may be writing into these blocks: free them only once it reports the request.
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._finished_since_last_step.add(request_id)
+            return request
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.remote or self.sending)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        out = SchedulerOutput(self.step_count, finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        scheduled: list[Request] = []
+        running = list(self.running)
+        while running and budget > 0:
+            request = running.pop(0)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._grow(request, request.num_computed_tokens + n):
+                if not running:
+                    self._preempt(request)
+                    preempted = True
+                    break
+                self._preempt(running.pop())
+                preempted = True
+            else:
+                scheduled.append(request)
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                budget -= n
+        while self.waiting and budget > 0 and not preempted and len(scheduled) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status != RequestStatus.PREEMPTED and not self._admit_remote(request):
+                break
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.waiting.popleft()
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._grow(request, request.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _admit_remote(self, request: Request) -> bool:
+        """Ask the connector about external KV; park async loads. False = not admissible yet."""
+        if request.request_id in self.block_tables:  # recomputing after a failed load
+            return True
+        matched, load_async = self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens)
+        if matched is None:
+            return False
+        blocks_needed = -(-request.num_tokens // self.config.block_size) if load_async else 0
+        if load_async and not self.pool.can_allocate(blocks_needed):
+            return False
+        if load_async and matched > 0:
+            blocks = self.pool.allocate(blocks_needed)
+            self.block_tables[request.request_id] = blocks
+            self.connector.update_state_after_alloc(request, blocks, matched)
+            request.num_external_tokens = matched
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.remote[request.request_id] = request
+            for block_id in blocks:
+                self._remote_block_owner[block_id] = request.request_id
+            return True
+        self.connector.update_state_after_alloc(request, self.block_tables.get(request.request_id, []), 0)
+        return True
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        table = self.block_tables.setdefault(request.request_id, [])
+        need = -(-num_tokens // self.config.block_size) - len(table)
+        if need <= 0:
+            return True
+        if not self.pool.can_allocate(need):
+            return False
+        table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.free(self.block_tables.pop(request.request_id, []))
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results --------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], worker: WorkerResult) -> list[Request]:
+        """Apply one step's results; returns the requests that got a token or finished."""
+        touched: list[Request] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.is_finished:  # aborted during the step
+                continue
+            request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.output_token_ids.append(token)
+                touched.append(request)
+        touched.extend(self._apply_load_results(worker))
+        for request_id in worker.finished_sending:
+            blocks = self.sending.pop(request_id, None)
+            if blocks is None:
+                self._unknown("finished_sending", request_id)
+                continue
+            self.pool.free(blocks)
+        return touched
+
+    def _apply_load_results(self, worker: WorkerResult) -> list[Request]:
+        # Failures may be reported before (never after) the request shows up in finished_recving.
+        for block_id in worker.invalid_block_ids:
+            owner = self._remote_block_owner.get(block_id)
+            if owner is None:
+                self._unknown("invalid_block_ids", str(block_id))
+                continue
+            index = self.block_tables[owner].index(block_id)
+            self._first_invalid[owner] = min(index, self._first_invalid.get(owner, index))
+        for request_id, cause in worker.failure_causes.items():
+            if request_id in self.remote:
+                self._failure_causes[request_id] = cause
+        touched: list[Request] = []
+        for request_id in worker.finished_recving:
+            request = self.remote.pop(request_id, None)
+            if request is None:
+                self._unknown("finished_recving", request_id)
+                continue
+            for block_id in self.block_tables[request_id]:
+                self._remote_block_owner.pop(block_id, None)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self._first_invalid.pop(request_id, None)
+                self._failure_causes.pop(request_id, None)
+                self._release(request)
+                continue
+            first_invalid = self._first_invalid.pop(request_id, None)
+            failure = self._failure_causes.pop(request_id, None)
+            if failure is not None and first_invalid is None:
+                first_invalid = 0  # a failure without block detail loses the whole request
+            cause, message = failure or ("kv_load_failed", "KV load failed")
+            if first_invalid is not None:
+                if self.config.kv_load_failure_policy == "fail":
+                    request.error_code, request.error_message = cause, message
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    touched.append(request)
+                    continue
+                cut = first_invalid * self.config.block_size
+                self.num_recomputed_tokens += request.num_tokens - cut
+                request.num_recomputed_tokens += request.num_tokens - cut
+                request.num_computed_tokens = cut
+            else:
+                # The first output token is sampled locally: recompute the last prompt token.
+                request.num_computed_tokens = request.num_tokens - 1
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return touched
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Called by the engine when a running request hits a stop condition."""
+        self.running.remove(request)
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self._finished_since_last_step.add(request.request_id)
+        blocks = self.block_tables.pop(request.request_id, [])
+        delay_free, params = self.connector.request_finished(request, blocks)
+        request.out_kv_transfer_params = params
+        del self.requests[request.request_id]
+        if delay_free and blocks:
+            self.sending[request.request_id] = blocks
+        else:
+            self.pool.free(blocks)
+
+    def _release(self, request: Request) -> None:
+        """An aborted remote load was reported by the worker: now its blocks are safe to reuse."""
+        blocks = self.block_tables.pop(request.request_id, [])
+        self.requests.pop(request.request_id, None)
+        self.connector.request_finished(request, blocks)
+        self.pool.free(blocks)
+
+    def _unknown(self, where: str, request_id: str) -> None:
+        # vLLM asserts here and loses the whole engine; an unknown id is a connector bug, not a crash.
+        self.num_unknown_ids += 1
+        log.warning("connector reported %s for unknown request %s; ignored", where, request_id)
+
+    # ---- integrity ------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every block is free or held by exactly one owner (run whenever the engine goes idle)."""
+        self.pool.check_invariants()
+        held = sum(len(b) for b in self.block_tables.values()) + sum(len(b) for b in self.sending.values())
+        if held + self.pool.num_free != self.pool.num_total:
+            raise AssertionError(f"blocks leaked: free {self.pool.num_free} + held {held} != {self.pool.num_total}")
+
+    def requests_by_status(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for request in self._all_live():
+            counts[request.status.name] = counts.get(request.status.name, 0) + 1
+        return counts
+
+    def _all_live(self) -> Iterable[Request]:
+        yield from self.waiting
+        yield from self.running
+        yield from self.remote.values()

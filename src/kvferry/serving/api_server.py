@@ -1,0 +1,217 @@
+"""HTTP API of one instance: OpenAI completions, health, Prometheus metrics, debug state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvferry.engine.engine import Engine, RequestOutput
+from kvferry.engine.request import Request as EngineRequest
+from kvferry.engine.request import SamplingParams
+from kvferry.engine.tokenizer import VOCAB_SIZE, IncrementalDetokenizer, encode
+from kvferry.serving.protocol import CompletionRequest, completion_body, error_body, new_request_id
+
+MODEL_NAME = "kvferry-tiny-llama"
+# How often a non-streaming handler checks whether its client went away.
+_DISCONNECT_POLL_S = 0.25
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Bad client input gets an OpenAI-style 4xx body, never a 500."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid"))
+        return JSONResponse(error_body(message, "invalid_request_error", 400), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", exc.status_code), exc.status_code)
+
+
+def build_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="kvferry instance", version="0.1.0")
+    install_error_handlers(app)
+    max_len = engine.model.config.max_position
+    max_prompt_blocks = engine.pool.num_total
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.fatal_error is not None:
+            return JSONResponse({"status": "error", "error": repr(engine.fatal_error)}, status_code=503)
+        return JSONResponse({"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/state")
+    async def debug_state() -> JSONResponse:
+        state = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot)
+        return JSONResponse(state)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        if isinstance(body.prompt, str):
+            prompt_ids = encode(body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+            if any(not 0 <= t < VOCAB_SIZE for t in prompt_ids):
+                return _bad_request(f"prompt token ids must be in [0, {VOCAB_SIZE})")
+        if not prompt_ids:
+            return _bad_request("prompt must not be empty")
+        total = len(prompt_ids) + body.max_tokens
+        if total > max_len:
+            return _bad_request(f"prompt ({len(prompt_ids)} tokens) + max_tokens exceeds the maximum length {max_len}")
+        if -(-total // engine.config.block_size) > max_prompt_blocks:
+            return _bad_request("prompt + max_tokens needs more KV blocks than this instance has")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if any(not s for s in stop):
+            return _bad_request("stop strings must not be empty")
+        params = SamplingParams(body.max_tokens, body.temperature, body.seed, stop, (), body.ignore_eos)
+        request_id = new_request_id()
+        request = EngineRequest(request_id, prompt_ids, params, body.kv_transfer_params, time.time())
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        engine.submit(request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        if body.stream:
+            return await _stream(engine, request_id, body, stop, outputs, http_request)
+        return await _complete(engine, request_id, body, stop, outputs, http_request)
+
+    return app
+
+
+def _bad_request(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, "invalid_request_error", 400), status_code=400)
+
+
+def _error_response(out: RequestOutput) -> JSONResponse:
+    message = out.error_message or "request failed"
+    if out.error_code in (None, "engine_error", "invalid_request"):
+        return JSONResponse(error_body(message, "internal_error", out.error_code), status_code=500)
+    return JSONResponse(error_body(message, "kv_load_failed", out.error_code), status_code=500)
+
+
+class _TextAssembler:
+    """Byte tokens → text, holding back EOS and cutting at the first stop string."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self.detokenizer = IncrementalDetokenizer()
+        self.text = ""
+        self.sent = 0
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        self.text += self.detokenizer.push_many(token_ids)
+        if final:
+            self.text += self.detokenizer.finish()
+        cut = min((i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+        # Hold back a tail that could still grow into a stop string.
+        hold = 0 if final or cut >= 0 else max((len(s) - 1 for s in self.stop), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+
+async def _next(outputs: asyncio.Queue[RequestOutput], http_request: Request, engine: Engine, request_id: str) -> RequestOutput | None:
+    """The next engine output, or None (and the request aborted) when the client went away."""
+    while True:
+        try:
+            return await asyncio.wait_for(outputs.get(), _DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await http_request.is_disconnected():
+                engine.abort(request_id)
+                return None
+
+
+async def _complete(
+    engine: Engine,
+    request_id: str,
+    body: CompletionRequest,
+    stop: tuple[str, ...],
+    outputs: asyncio.Queue[RequestOutput],
+    http_request: Request,
+) -> Response:
+    assembler = _TextAssembler(stop)
+    while True:
+        out = await _next(outputs, http_request, engine, request_id)
+        if out is None:
+            return Response(status_code=499)
+        assembler.add(out.new_token_ids, out.finished)
+        if out.finished:
+            break
+    if out.finish_reason == "error":
+        return _error_response(out)
+    body_json = completion_body(
+        request_id,
+        body.model or MODEL_NAME,
+        assembler.text,
+        out.finish_reason,
+        out.num_prompt_tokens,
+        out.num_output_tokens,
+        out.kv_transfer_params,
+        {"kvferry": {"recomputed_tokens": out.num_recomputed_tokens}},
+    )
+    return JSONResponse(body_json)
+
+
+async def _stream(
+    engine: Engine,
+    request_id: str,
+    body: CompletionRequest,
+    stop: tuple[str, ...],
+    outputs: asyncio.Queue[RequestOutput],
+    http_request: Request,
+) -> Response:
+    # Wait for the first output before answering, so a failed KV load is still a clean HTTP 500.
+    first = await _next(outputs, http_request, engine, request_id)
+    if first is None:
+        return Response(status_code=499)
+    if first.finished and first.finish_reason == "error":
+        return _error_response(first)
+    model = body.model or MODEL_NAME
+    assembler = _TextAssembler(stop)
+
+    def chunk(text: str, out: RequestOutput) -> str:
+        data: dict[str, Any] = completion_body(
+            request_id, model, text, out.finish_reason if out.finished else None, out.num_prompt_tokens,
+            out.num_output_tokens, out.kv_transfer_params if out.finished else None,
+        )
+        return f"data: {json.dumps(data)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        out: RequestOutput | None = first
+        finished = False
+        try:
+            while out is not None:
+                if out.finished and out.finish_reason == "error":
+                    yield f"data: {json.dumps(error_body(out.error_message or 'failed', 'kv_load_failed', out.error_code))}\n\n"
+                    finished = True
+                    break
+                text = assembler.add(out.new_token_ids, out.finished)
+                if text or out.finished:
+                    yield chunk(text, out)
+                if out.finished:
+                    finished = True
+                    break
+                out = await outputs.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                engine.abort(request_id)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
