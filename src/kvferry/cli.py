@@ -8,6 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvferry.connector.base import ConnectorRole, KVConnector
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.pd import PDConfig, PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 
 
@@ -30,6 +34,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--log-level", default="warning")
 
 
+def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("proxy", help="P/D proxy: prefill on P, decode on D, one transfer_id")
+    p.add_argument("--prefill", action="append", required=True, help="prefill instance URL (repeatable)")
+    p.add_argument("--decode", action="append", required=True, help="decode instance URL (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--retries", type=int, default=0, help="retry a KV-load failure before the first token")
+    p.add_argument("--log-level", default="warning")
+
+
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
     p.add_argument("which", choices=["transfer", "failover", "scheduler", "e2e"])
@@ -41,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_proxy(sub)
     _add_bench(sub)
     return parser
 
@@ -51,23 +66,55 @@ def serve(args: argparse.Namespace) -> int:
     from kvferry.serving.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.role != "both":
-        print("kvferry serve: --role prefill/decode needs the P/D connector (not built yet)", file=sys.stderr)
+    engine_id = args.engine_id or f"{args.role}-{args.host}:{args.port}"
+    try:
+        faults = FaultSpec.parse(args.faults)
+    except ValueError as exc:
+        print(f"kvferry serve: --faults: {exc}", file=sys.stderr)
         return 2
+    metrics = Metrics()
+    scheduler_connector: KVConnector | None = None
+    worker_connector: KVConnector | None = None
+    if args.role != "both":
+        pd_config = PDConfig(
+            role=args.role,
+            engine_id=engine_id,
+            host=args.host,
+            tp_size=args.tp,
+            block_size=args.block_size,
+            bootstrap_port=args.bootstrap_port,
+            abort_timeout_s=args.abort_timeout,
+            kv_load_deadline_s=args.kv_load_deadline,
+            transfer=args.transfer,
+            faults=faults,
+        )
+        scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)
+        worker_connector = PDConnector(ConnectorRole.WORKER, pd_config, metrics)
     config = EngineConfig(
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         seed=args.seed,
         kv_load_failure_policy=args.kv_load_failure_policy,
         role=args.role,
-        engine_id=args.engine_id or f"{args.role}-{args.host}:{args.port}",
+        engine_id=engine_id,
     )
-    engine = Engine(config)
+    extra = {"kv_bootstrap_addr": f"{args.host}:{args.bootstrap_port}"} if args.role == "prefill" else {}
+    engine = Engine(config, scheduler_connector, worker_connector, metrics)
     engine.start()
     try:
-        uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(build_app(engine, extra), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.stop()
+    return 0
+
+
+def proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvferry.serving.proxy import build_proxy_app
+
+    app = build_proxy_app(args.prefill, args.decode, args.retries)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -90,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "proxy":
+        return proxy(args)
     if args.command == "bench":
         return bench(args)
     return 2

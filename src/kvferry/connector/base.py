@@ -37,6 +37,10 @@ class RequestLike(Protocol):
     @property
     def num_prompt_tokens(self) -> int: ...
 
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" / "length" once finished normally; "abort" / "error" otherwise; None while live."""
+
 
 class SchedulerOutputLike(Protocol):
     """What the connector reads of one scheduler step."""

@@ -10,7 +10,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.connector.base import ConnectorMetadata, ConnectorRole, KVConnector, RequestLike, SchedulerOutputLike
+from kvferry.connector.base import (
+    ConnectorMetadata,
+    ConnectorRole,
+    KVConnector,
+    RequestLike,
+    SchedulerOutputLike,
+)
 
 # Called when a planned load completes, with the request's local block ids, to fill the KV cache.
 FillFn = Callable[[list[int]], None]
@@ -44,6 +50,7 @@ class ScriptedConnector(KVConnector):
         self._events: defaultdict[int, _Event] = defaultdict(_Event)
         self._pending_loads: set[str] = set()
         self._current = _Event()
+        self._never_finish: dict[str, bool] = {}
         self.finished_calls: list[str] = []
         self.alloc_calls: list[tuple[str, list[int], int]] = []
 
@@ -61,8 +68,15 @@ class ScriptedConnector(KVConnector):
             getattr(event, name).update(values)
 
     # ---- scheduler role ---------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _plan(self, request: RequestLike) -> LoadPlan | None:
+        """Plans are keyed by request id, or by the transfer_id of the request's kv_transfer_params."""
         plan = self.loads.get(request.request_id)
+        if plan is None and request.kv_transfer_params:
+            plan = self.loads.get(str(request.kv_transfer_params.get("transfer_id")))
+        return plan
+
+    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = self._plan(request)
         if plan is None or request.request_id in self._pending_loads:
             return 0, False
         tokens = request.num_prompt_tokens if plan.num_tokens is None else plan.num_tokens
@@ -70,10 +84,11 @@ class ScriptedConnector(KVConnector):
 
     def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self.alloc_calls.append((request.request_id, list(block_ids), num_external_tokens))
-        plan = self.loads.get(request.request_id)
+        plan = self._plan(request)
         if plan is None or num_external_tokens == 0:
             return
         self._pending_loads.add(request.request_id)
+        self._never_finish[request.request_id] = plan.never_finish
         if plan.never_finish:
             return
         event = self._events[self.step + plan.after_steps]
@@ -87,8 +102,7 @@ class ScriptedConnector(KVConnector):
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
         # An abort of a parked load is reported back on the next step, as a real worker would.
         for request_id in scheduler_output.finished_req_ids & self._pending_loads:
-            plan = self.loads[request_id]
-            if plan.never_finish:
+            if self._never_finish.get(request_id):
                 self._events[self.step + 1].finished_recving.add(request_id)
         return ConnectorMetadata()
 

@@ -85,3 +85,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason

@@ -209,9 +209,9 @@ class Scheduler:
                 continue
             index = self.block_tables[owner].index(block_id)
             self._first_invalid[owner] = min(index, self._first_invalid.get(owner, index))
-        for request_id, cause in worker.failure_causes.items():
+        for request_id, reason in worker.failure_causes.items():
             if request_id in self.remote:
-                self._failure_causes[request_id] = cause
+                self._failure_causes[request_id] = reason
         touched: list[Request] = []
         for request_id in worker.finished_recving:
             request = self.remote.pop(request_id, None)

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvferry.connector.pd import KVTransferParamsError, validate_kv_transfer_params
 from kvferry.engine.engine import Engine, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
@@ -40,7 +41,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", exc.status_code), exc.status_code)
 
 
-def build_app(engine: Engine) -> FastAPI:
+def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> FastAPI:
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
     max_len = engine.model.config.max_position
@@ -50,7 +51,8 @@ def build_app(engine: Engine) -> FastAPI:
     async def health() -> JSONResponse:
         if engine.fatal_error is not None:
             return JSONResponse({"status": "error", "error": repr(engine.fatal_error)}, status_code=503)
-        return JSONResponse({"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id})
+        info = {"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id}
+        return JSONResponse({**info, **(health_extra or {})})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -76,6 +78,10 @@ def build_app(engine: Engine) -> FastAPI:
             return _bad_request(f"prompt ({len(prompt_ids)} tokens) + max_tokens exceeds the maximum length {max_len}")
         if -(-total // engine.config.block_size) > max_prompt_blocks:
             return _bad_request("prompt + max_tokens needs more KV blocks than this instance has")
+        try:
+            validate_kv_transfer_params(body.kv_transfer_params)
+        except KVTransferParamsError as exc:
+            return _bad_request(f"kv_transfer_params: {exc}")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if any(not s for s in stop):
             return _bad_request("stop strings must not be empty")
@@ -84,7 +90,11 @@ def build_app(engine: Engine) -> FastAPI:
         request = EngineRequest(request_id, prompt_ids, params, body.kv_transfer_params, time.time())
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        engine.submit(request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        engine.submit(request, sink)
         if body.stream:
             return await _stream(engine, request_id, body, stop, outputs, http_request)
         return await _complete(engine, request_id, body, stop, outputs, http_request)

@@ -1,0 +1,422 @@
+"""Decode side (worker role): pull KV from P ranks into local blocks, and the failure spine.
+
+Every pull runs as a coroutine on one asyncio loop (its own thread). Whatever goes wrong — ERROR
+reply, err_reqs, data-plane error, exception, receive timeout, bootstrap failure, lost peer, deadline,
+bad checksum — ends in `_handle_failed_recv`, which reports the request in finished_recving together
+with exactly the blocks that were not completely and correctly written. The loop never touches
+scheduler state: it only fills the outbox that the engine thread drains once per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+import zmq
+import zmq.asyncio
+
+from kvferry.connector.base import KVCacheSpec
+from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.layout import KV_REGION, block_runs, overlap, p_ranks_for
+from kvferry.connector.messages import (
+    HeartbeatAck,
+    MessageError,
+    PullRequest,
+    PullResponse,
+    Release,
+    Status,
+    decode_response,
+    encode,
+)
+from kvferry.connector.metrics import Metrics
+from kvferry.transfer.base import ByteRange, TransferEngine, covered
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """What the scheduler role hands the worker for one request (via the connector metadata)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]  # empty: release-only pull (P just frees its blocks)
+    engine_id: str
+    bootstrap_addr: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    tp_size: int = 1
+    recv_timeout_s: float = 35.0
+    kv_load_deadline_s: float = 60.0
+    checksums: bool = True
+    faults: FaultSpec = field(default_factory=FaultSpec)
+
+
+@dataclass
+class PullTask:
+    """One (D rank, P rank) pair of a pull."""
+
+    d_rank: int
+    p_rank: int
+    heads: tuple[int, int]
+    control_addr: str
+    grant: str | None = None
+    written: list[ByteRange] | None = None  # final, once the grant is closed
+    checksums: list[int] = field(default_factory=list)
+    future: asyncio.Future[PullResponse] | None = None
+    done: bool = False
+
+
+@dataclass
+class PullMeta:
+    spec: PullSpec
+    started: float
+    deadline: float
+    tasks: list[PullTask] = field(default_factory=list)
+    pull_tasks_count: int = 0
+    failed: bool = False
+    coroutine: asyncio.Task[None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.spec.block_ids
+
+
+class _Outbox:
+    """Loop thread → engine thread: finished requests, invalid blocks, failure causes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.finished: set[str] = set()
+        self.invalid: set[int] = set()
+        self.causes: dict[str, tuple[str, str]] = {}
+
+    def report(self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None) -> None:
+        with self._lock:
+            # Cause and blocks go in with the request, so one drain never sees the request without them.
+            if cause is not None:
+                self.causes[request_id] = cause
+            self.invalid.update(invalid)
+            self.finished.add(request_id)
+
+    def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
+        with self._lock:
+            out = (self.finished, self.invalid, self.causes)
+            self.finished, self.invalid, self.causes = set(), set(), {}
+        return out
+
+
+class Consumer:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        kv_cache: np.ndarray,
+        engines: list[TransferEngine],
+        config: ConsumerConfig,
+        metrics: Metrics,
+        bootstrap: BootstrapClient | None = None,
+    ) -> None:
+        self.spec = spec
+        self.engines = engines
+        self.config = config
+        self.metrics = metrics
+        self.bootstrap = bootstrap or BootstrapClient()
+        self._kv_bytes = memoryview(kv_cache.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        for engine in engines:
+            engine.register(KV_REGION, kv_cache)
+        self.outbox = _Outbox()
+        self._pulls: dict[str, PullMeta] = {}  # loop thread only
+        self._dealers: dict[tuple[int, str], _Dealer] = {}
+        self._ctx = zmq.asyncio.Context()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kv-consumer", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def start_pulls(self, specs: Iterable[PullSpec]) -> None:
+        for spec in specs:
+            self.loop.call_soon_threadsafe(self._start, spec)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids:
+            self.loop.call_soon_threadsafe(self._abort, ids)
+
+    def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
+        finished, invalid, causes = self.outbox.drain()
+        return finished, invalid, causes
+
+    @property
+    def pending_pulls(self) -> int:
+        return len(self._pulls)
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            for pull in list(self._pulls.values()):
+                if pull.coroutine is not None:
+                    pull.coroutine.cancel()
+            for dealer in self._dealers.values():
+                dealer.close()
+
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        self._ctx.term()
+        self.bootstrap.close()
+
+    # ---- loop thread ------------------------------------------------------------------------------
+    def _start(self, spec: PullSpec) -> None:
+        now = time.monotonic()
+        pull = PullMeta(spec, now, now + self.config.kv_load_deadline_s)
+        if spec.request_id in self._pulls:
+            log.warning("duplicate pull for request %s ignored", spec.request_id)
+            return
+        self._pulls[spec.request_id] = pull
+        pull.coroutine = self.loop.create_task(self._run_pull(pull))
+
+    async def _run_pull(self, pull: PullMeta) -> None:
+        try:
+            async with asyncio.timeout_at(self.loop.time() + (pull.deadline - time.monotonic())):
+                info = await self._lookup(pull.spec)
+                self._send_pulls(pull, info)
+                await self._await_replies(pull)
+        except TimeoutError:
+            self._handle_failed_recv([pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s")
+        except BootstrapError as exc:
+            self._handle_failed_recv([pull], "bootstrap", str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a receiver bug must still release the request
+            log.exception("pull for %s failed unexpectedly", pull.request_id)
+            self._handle_failed_recv([pull], "transport", f"receiver error: {exc!r}")
+
+    async def _lookup(self, spec: PullSpec) -> EngineInfo:
+        injected = self.config.faults.fault_for(spec.transfer_id) == "bootstrap"
+        return await self.loop.run_in_executor(
+            None,
+            self.bootstrap.lookup,
+            spec.bootstrap_addr,
+            spec.engine_id,
+            spec.transfer_id if injected else None,
+            injected,
+        )
+
+    def _send_pulls(self, pull: PullMeta, info: EngineInfo) -> None:
+        heads_total = self.spec.num_kv_heads
+        d_tp = self.config.tp_size
+        for d_rank in range(d_tp):
+            for p_rank in p_ranks_for(heads_total, info.tp_size, d_tp, d_rank):
+                heads = overlap(heads_total, info.tp_size, p_rank, d_tp, d_rank)
+                assert heads is not None
+                pull.tasks.append(PullTask(d_rank, p_rank, heads, info.control_addr(p_rank)))
+        pull.pull_tasks_count = len(pull.tasks)
+        for task in pull.tasks:
+            engine = self.engines[task.d_rank]
+            ranges = [r for b in pull.block_ids for r in block_runs(self.spec, b, task.heads)]
+            task.grant = engine.open_grant(ranges)
+            task.future = self.loop.create_future()
+            request = PullRequest(
+                transfer_id=pull.spec.transfer_id,
+                d_request_id=pull.request_id,
+                d_transfer_addr=engine.address,
+                grant_token=task.grant,
+                block_ids=pull.block_ids,
+                d_tp_size=d_tp,
+                d_tp_rank=task.d_rank,
+                num_tokens=pull.spec.num_tokens,
+                want_checksums=self.config.checksums,
+            )
+            self._dealer(task.d_rank, task.control_addr).send(pull, task, request)
+
+    async def _await_replies(self, pull: PullMeta) -> None:
+        waiting = {t.future: t for t in pull.tasks if t.future is not None}
+        deadline = self.loop.time() + self.config.recv_timeout_s
+        while waiting and not pull.failed:
+            done, _ = await asyncio.wait(
+                waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                self._handle_failed_recv([pull], "recv_timeout", f"no reply from P within {self.config.recv_timeout_s}s")
+                return
+            for future in done:
+                self._on_response(pull, waiting.pop(future), future.result())
+
+    def _on_response(self, pull: PullMeta, task: PullTask, resp: PullResponse) -> None:
+        task.checksums = list(resp.checksums)
+        if resp.status == Status.ERROR:
+            cause = "transport" if resp.err_msg.startswith("transport") else "error_reply"
+            self._handle_failed_recv([pull], cause, f"P rank {task.p_rank}: {resp.err_msg}")
+        elif pull.request_id in resp.err_reqs:
+            self._handle_failed_recv([pull], "err_reqs", f"P rank {task.p_rank}: {resp.err_msg}")
+        elif pull.request_id not in resp.ok_reqs:
+            self._handle_failed_recv([pull], "error_reply", f"P rank {task.p_rank} finished without this request")
+        else:
+            self._close_grant(task)
+            bad = self._bad_blocks(pull, [task])
+            if bad:
+                cause = "checksum" if all(self._covered(pull, task, b) for b in bad) else "transport"
+                self._handle_failed_recv([pull], cause, f"{len(bad)} block(s) from P rank {task.p_rank} {cause} error")
+                return
+            task.done = True
+            pull.pull_tasks_count = max(0, pull.pull_tasks_count - 1)
+            if pull.failed:  # another P rank already failed this request
+                return
+            if pull.pull_tasks_count == 0:
+                self._succeed(pull, resp)
+
+    def _succeed(self, pull: PullMeta, resp: PullResponse) -> None:
+        self._end(pull)
+        elapsed = time.monotonic() - pull.started
+        nbytes = len(pull.block_ids) * self.spec.block_bytes
+        self.metrics.kv_transfers.inc()
+        self.metrics.kv_transfer_bytes.inc(nbytes)
+        self.metrics.kv_transfer_seconds.observe(elapsed)
+        if pull.block_ids:  # a release-only pull is not the scheduler's business
+            self.outbox.report(pull.request_id)
+
+    # ---- the failure spine ------------------------------------------------------------------------
+    def _handle_failed_recv(self, pulls: Iterable[PullMeta], cause: str, message: str) -> None:
+        for pull in pulls:
+            if self._pulls.get(pull.request_id) is not pull or pull.failed:
+                continue  # unknown or already failed: each failure is counted once
+            pull.failed = True
+            invalid = [pull.block_ids[i] for i in self._invalid_indices(pull)]
+            self._end(pull)
+            self._release_remote(pull)
+            if cause in ("recv_timeout", "transport", "peer_dead", "bootstrap"):
+                self.bootstrap.forget(pull.spec.bootstrap_addr, pull.spec.engine_id)
+            self.metrics.kv_load_failures.labels(cause=cause).inc()
+            log.warning("KV load for %s failed (%s): %s", pull.request_id, cause, message)
+            if not pull.block_ids:
+                continue  # release-only pull: the scheduler does not hold this request
+            self.outbox.report(pull.request_id, invalid, (cause, message))
+
+    def _invalid_indices(self, pull: PullMeta) -> list[int]:
+        """Blocks not completely and correctly written by every P rank they need (all, if unknown)."""
+        if not pull.tasks or not all(self.engines[t.d_rank].tracks_progress for t in pull.tasks):
+            return list(range(len(pull.block_ids)))
+        for task in pull.tasks:
+            self._close_grant(task)
+        return self._bad_blocks(pull, pull.tasks)
+
+    def _bad_blocks(self, pull: PullMeta, tasks: list[PullTask]) -> list[int]:
+        bad = []
+        for i in range(len(pull.block_ids)):
+            for task in tasks:
+                if not self._covered(pull, task, i) or (task.checksums and not self._checksum_ok(pull, task, i)):
+                    bad.append(i)
+                    break
+        return bad
+
+    def _covered(self, pull: PullMeta, task: PullTask, index: int) -> bool:
+        if task.written is None:
+            return False
+        return all(covered(task.written, r) for r in block_runs(self.spec, pull.block_ids[index], task.heads))
+
+    def _checksum_ok(self, pull: PullMeta, task: PullTask, index: int) -> bool:
+        if index >= len(task.checksums):
+            return False
+        h = xxhash.xxh64()
+        for off, n in self.spec.head_runs(pull.block_ids[index], *task.heads):
+            h.update(self._kv_bytes[off : off + n])
+        return h.intdigest() == task.checksums[index]
+
+    def _close_grant(self, task: PullTask) -> None:
+        if task.grant is not None:
+            task.written = self.engines[task.d_rank].close_grant(task.grant)
+            task.grant = None
+
+    def _end(self, pull: PullMeta) -> None:
+        """The pull is over (success, failure or abort): no byte may land after this."""
+        self._pulls.pop(pull.request_id, None)
+        for task in pull.tasks:
+            self._close_grant(task)
+            if task.future is not None and not task.future.done():
+                task.future.cancel()
+            dealer = self._dealers.get((task.d_rank, task.control_addr))
+            if dealer is not None:
+                dealer.forget(pull.spec.transfer_id, pull.request_id)
+        if pull.coroutine is not None and pull.coroutine is not asyncio.current_task():
+            pull.coroutine.cancel()
+
+    def _release_remote(self, pull: PullMeta) -> None:
+        """Tell P it may free the transfer's blocks now rather than at its timeout."""
+        for addr in {(t.d_rank, t.control_addr) for t in pull.tasks}:
+            self._dealer(*addr).send_raw(encode(Release([pull.spec.transfer_id])))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            pull = self._pulls.get(request_id)
+            if pull is None:
+                continue
+            pull.failed = True
+            self._end(pull)
+            self._release_remote(pull)
+            if pull.block_ids:
+                self.outbox.report(request_id)
+
+    def _dealer(self, d_rank: int, addr: str) -> _Dealer:
+        dealer = self._dealers.get((d_rank, addr))
+        if dealer is None:
+            dealer = self._dealers[(d_rank, addr)] = _Dealer(self, addr)
+        return dealer
+
+
+class _Dealer:
+    """One DEALER socket from a D rank to a P rank, with a reader that routes replies to pulls."""
+
+    def __init__(self, consumer: Consumer, addr: str) -> None:
+        self.consumer = consumer
+        self.sock = consumer._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
+        self.sock.connect(addr)
+        self.waiters: dict[tuple[str, str], PullTask] = {}
+        self.reader = consumer.loop.create_task(self._read())
+
+    def send(self, pull: PullMeta, task: PullTask, request: PullRequest) -> None:
+        self.waiters[(pull.spec.transfer_id, pull.request_id)] = task
+        self.send_raw(encode(request))
+
+    def send_raw(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("control message dropped: %s", exc)
+
+    def forget(self, transfer_id: str, request_id: str) -> None:
+        self.waiters.pop((transfer_id, request_id), None)
+
+    async def _read(self) -> None:
+        while True:
+            data = await self.sock.recv()
+            try:
+                message = decode_response(data)
+            except MessageError as exc:
+                log.warning("malformed reply from P ignored: %s", exc)
+                continue
+            if isinstance(message, HeartbeatAck) or message.status == Status.CONTINUE:
+                continue
+            task = self.waiters.pop((message.transfer_id, message.d_request_id), None)
+            if task is not None and task.future is not None and not task.future.done():
+                task.future.set_result(message)
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.sock.close(0)
+

@@ -1,0 +1,99 @@
+"""Control-plane messages between a decode rank (ZMQ DEALER) and a prefill rank (ZMQ ROUTER).
+
+D sends `PullRequest`s (and `Heartbeat`s for its pending pulls); P answers each pull with
+`PullResponse` frames: CONTINUE while it is working, then FINISH (ok) or ERROR. Anything that fails to
+decode is answered with an ERROR, never a crash.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+# Far above any real pull (a 100k-token prompt is ~6k blocks); a bigger frame is hostile.
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class Status(enum.IntEnum):
+    FINISH = 0
+    CONTINUE = 1
+    ERROR = 2
+
+
+class PullRequest(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
+    transfer_id: str
+    d_request_id: str
+    d_transfer_addr: str  # host:port of D rank's TransferEngine
+    grant_token: str  # D's open grant for exactly these blocks
+    block_ids: list[int]  # D's local block ids, one per prompt block; empty = release-only pull
+    d_tp_size: int
+    d_tp_rank: int
+    num_tokens: int  # prompt tokens D expects to receive
+    lease_s: float = 0.0  # 0 = P's default lease
+    want_checksums: bool = True
+
+
+class Heartbeat(msgspec.Struct, tag="hb", forbid_unknown_fields=True):
+    """Keeps P's leases on these transfers alive and proves D is still there."""
+
+    transfer_ids: list[str]
+    lease_s: float = 0.0
+
+
+class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
+    """D no longer wants these transfers (aborted before its pull): P may free their blocks."""
+
+    transfer_ids: list[str]
+
+
+Inbound = PullRequest | Heartbeat | Release
+
+
+class PullResponse(msgspec.Struct, tag="resp", forbid_unknown_fields=True):
+    status: Status
+    d_request_id: str = ""
+    transfer_id: str = ""
+    ok_reqs: list[str] = []
+    err_reqs: list[str] = []
+    err_msg: str = ""
+    # One xxh64 per block written, in the order of PullRequest.block_ids (D verifies before accepting).
+    checksums: list[int] = []
+    bytes_written: int = 0
+    # True when the answer comes from fault injection (diagnostics only).
+    injected: bool = False
+
+
+class HeartbeatAck(msgspec.Struct, tag="hb_ack", forbid_unknown_fields=True):
+    unknown: list[str] = []  # transfer ids P does not hold (expired or never seen)
+
+
+_inbound_decoder = msgspec.msgpack.Decoder(Inbound)
+_response_decoder = msgspec.msgpack.Decoder(PullResponse | HeartbeatAck)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class MessageError(ValueError):
+    pass
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_inbound(data: bytes) -> Inbound:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return _inbound_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(str(exc)) from exc
+
+
+def decode_response(data: bytes) -> PullResponse | HeartbeatAck:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return _response_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(str(exc)) from exc

@@ -1,0 +1,238 @@
+"""The P/D connector: scheduler role (what to send / pull) and worker role (producer or consumer).
+
+As in vLLM, the two roles only talk through the per-step `PDMetadata`, so they could live in
+different processes. kv_transfer_params use the names of vLLM's Mooncake proxy (DESIGN section 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvferry.connector.base import (
+    ConnectorMetadata,
+    ConnectorRole,
+    KVCacheSpec,
+    KVConnector,
+    RequestLike,
+    SchedulerOutputLike,
+)
+from kvferry.connector.bootstrap import BootstrapServer, Registration
+from kvferry.connector.consumer import Consumer, ConsumerConfig, PullSpec
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.producer import Producer
+from kvferry.transfer.base import TransferEngine
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    role: str  # "prefill" | "decode"
+    engine_id: str
+    host: str = "127.0.0.1"
+    tp_size: int = 1
+    block_size: int = 16
+    bootstrap_port: int = 8998
+    abort_timeout_s: float = 30.0
+    kv_load_deadline_s: float = 60.0
+    transfer: str = "tcp"
+    checksums: bool = True
+    faults: FaultSpec = field(default_factory=FaultSpec)
+
+    @property
+    def recv_timeout_s(self) -> float:
+        # Longer than P's abort timeout, so P's own "not ready" answer arrives first.
+        return self.abort_timeout_s + 5.0
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    transfer_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class PDMetadata(ConnectorMetadata):
+    to_send: list[SendSpec] = field(default_factory=list)
+    dead_transfers: list[str] = field(default_factory=list)
+    to_pull: list[PullSpec] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+class KVTransferParamsError(ValueError):
+    pass
+
+
+def validate_kv_transfer_params(params: dict[str, Any] | None) -> None:
+    """Raise a clear error for kv_transfer_params that can never work (the API answers 400)."""
+    if not params:
+        return
+    if params.get("do_remote_decode") and not isinstance(params.get("transfer_id"), str):
+        raise KVTransferParamsError("do_remote_decode needs a string transfer_id")
+    if params.get("do_remote_prefill"):
+        for key in ("transfer_id", "remote_engine_id", "remote_bootstrap_addr"):
+            if not isinstance(params.get(key), str) or not params[key]:
+                raise KVTransferParamsError(f"do_remote_prefill needs a non-empty string {key}")
+        host, sep, port = str(params["remote_bootstrap_addr"]).rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise KVTransferParamsError("remote_bootstrap_addr must be host:port")
+
+
+class PDConnector(KVConnector):
+    def __init__(self, role: ConnectorRole, config: PDConfig, metrics: Metrics | None = None) -> None:
+        super().__init__(role)
+        self.config = config
+        self.metrics = metrics or Metrics()
+        # scheduler role
+        self._to_send: list[SendSpec] = []
+        self._dead: list[str] = []
+        self._to_pull: list[PullSpec] = []
+        self._pulling: set[str] = set()
+        # worker role
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self.bootstrap_server: BootstrapServer | None = None
+        self.transfer_engines: list[TransferEngine] = []
+        self._invalid: set[int] = set()
+        self._causes: dict[str, tuple[str, str]] = {}
+
+    @property
+    def is_decode(self) -> bool:
+        return self.config.role == "decode"
+
+    # ---- scheduler role ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if not self.is_decode or not params.get("do_remote_prefill") or request.request_id in self._pulling:
+            return 0, False
+        remaining = request.num_prompt_tokens - num_computed_tokens
+        return remaining, remaining > 0
+
+    def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if num_external_tokens == 0 or not self.is_decode or not params.get("do_remote_prefill"):
+            return
+        self._pulling.add(request.request_id)
+        num_prompt_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        self._to_pull.append(self._pull_spec(request, list(block_ids[:num_prompt_blocks])))
+
+    def _pull_spec(self, request: RequestLike, block_ids: list[int]) -> PullSpec:
+        params = request.kv_transfer_params or {}
+        return PullSpec(
+            request.request_id,
+            str(params["transfer_id"]),
+            block_ids,
+            str(params["remote_engine_id"]),
+            str(params["remote_bootstrap_addr"]),
+            request.num_prompt_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
+        meta = PDMetadata(self._to_send, self._dead, self._to_pull, set(scheduler_output.finished_req_ids))
+        self._to_send, self._dead, self._to_pull = [], [], []
+        return meta
+
+    def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if self.is_decode:
+            if params.get("do_remote_prefill") and request.request_id not in self._pulling:
+                # Ended before it was admitted: a release-only pull lets P free its blocks now.
+                self._to_pull.append(self._pull_spec(request, []))
+            self._pulling.discard(request.request_id)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        transfer_id = str(params["transfer_id"])
+        if request.finish_reason not in ("stop", "length") or not block_ids:
+            self._dead.append(transfer_id)
+            return False, None
+        self._to_send.append(SendSpec(transfer_id, request.request_id, list(block_ids), request.num_prompt_tokens))
+        return True, {
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_engine_id": self.config.engine_id,
+            "remote_bootstrap_addr": f"{self.config.host}:{self.config.bootstrap_port}",
+        }
+
+    # ---- worker role ------------------------------------------------------------------------------
+    def register_kv_cache(self, spec: KVCacheSpec, kv_cache: np.ndarray) -> None:
+        self.transfer_engines = [self._new_transfer_engine() for _ in range(self.config.tp_size)]
+        if self.is_decode:
+            consumer_config = ConsumerConfig(
+                self.config.tp_size,
+                self.config.recv_timeout_s,
+                self.config.kv_load_deadline_s,
+                self.config.checksums,
+                self.config.faults,
+            )
+            self.consumer = Consumer(spec, kv_cache, self.transfer_engines, consumer_config, self.metrics)
+            return
+        self.producer = Producer(
+            spec, kv_cache, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
+            self.config.faults, self.metrics,
+        )
+        self.bootstrap_server = BootstrapServer(self.config.host, self.config.bootstrap_port, self.config.faults)
+        for rank, addr in enumerate(self.producer.control_addrs):
+            self.bootstrap_server.register(Registration(self.config.engine_id, self.config.tp_size, rank, addr))
+        self.bootstrap_server.start()
+
+    def _new_transfer_engine(self) -> TransferEngine:
+        if self.config.transfer == "mooncake":
+            from kvferry.transfer.mooncake import MooncakeTransferEngine
+
+            return MooncakeTransferEngine(self.config.host)
+        from kvferry.transfer.tcp import TcpTransferEngine
+
+        return TcpTransferEngine(self.config.host)
+
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        assert isinstance(metadata, PDMetadata)
+        if self.producer is not None:
+            for send in metadata.to_send:
+                self.producer.add_ready(send.transfer_id, send.request_id, send.block_ids, send.num_tokens)
+            for transfer_id in metadata.dead_transfers:
+                self.producer.add_dead(transfer_id)
+        if self.consumer is not None:
+            self.consumer.start_pulls(metadata.to_pull)
+            self.consumer.abort(metadata.finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.producer is not None:
+            return self.producer.drain_finished(), set()
+        if self.consumer is not None:
+            finished, invalid, causes = self.consumer.drain()
+            self._invalid, self._causes = invalid, causes
+            return set(), finished
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
+        causes, self._causes = self._causes, {}
+        return causes
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pending_pulls": self.consumer.pending_pulls if self.consumer else 0,
+            "pending_sends": self.producer.pending_sends() if self.producer else 0,
+            "transfer_addrs": [e.address for e in self.transfer_engines],
+            "control_addrs": self.producer.control_addrs if self.producer else [],
+        }
+
+    def close(self) -> None:
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop()
+        if self.producer is not None:
+            self.producer.close()
+        if self.consumer is not None:
+            self.consumer.close()
+        for engine in self.transfer_engines:
+            engine.close()
+

@@ -1,0 +1,167 @@
+"""The P/D proxy: one client request → a prefill on P and a decode on D, sent at the same time with one
+transfer_id (the pattern of vLLM's Mooncake proxy). D's answer is streamed back; D's 500 passes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from kvferry.serving.api_server import install_error_handlers
+from kvferry.serving.protocol import error_body
+
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+
+
+@dataclass
+class PrefillTarget:
+    url: str
+    engine_id: str = ""
+    bootstrap_addr: str = ""
+
+    async def refresh(self, client: httpx.AsyncClient) -> None:
+        info = (await client.get(f"{self.url}/health", timeout=5.0)).json()
+        self.engine_id, self.bootstrap_addr = info["engine_id"], info["kv_bootstrap_addr"]
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvferry_proxy_requests", "Proxied requests by outcome", ["outcome"], registry=self.registry
+        )
+
+
+def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: int = 0) -> FastAPI:
+    app = FastAPI(title="kvferry P/D proxy", version="0.1.0")
+    install_error_handlers(app)
+    prefills = [PrefillTarget(u.rstrip("/")) for u in prefill_urls]
+    decodes = [u.rstrip("/") for u in decode_urls]
+    next_p, next_d = itertools.cycle(range(len(prefills))), itertools.cycle(range(len(decodes)))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    metrics = ProxyMetrics()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "role": "proxy", "prefill": prefill_urls, "decode": decode_urls}
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return JSONResponse(error_body("body is not valid JSON", "invalid_request_error", 400), 400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("body must be a JSON object", "invalid_request_error", 400), 400)
+        stream = bool(body.get("stream"))
+        for attempt in range(retries + 1):
+            target = prefills[next(next_p)]
+            decode_url = decodes[next(next_d)]
+            response, retryable = await _one_attempt(client, target, decode_url, body, stream)
+            if not retryable or attempt == retries:
+                metrics.requests.labels(outcome=str(response.status_code)).inc()
+                return response
+            metrics.requests.labels(outcome="retried").inc()
+        raise AssertionError("unreachable")
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        await client.aclose()
+
+    return app
+
+
+async def _one_attempt(
+    client: httpx.AsyncClient, target: PrefillTarget, decode_url: str, body: dict[str, Any], stream: bool
+) -> tuple[Response, bool]:
+    """(response, retryable): a KV-load failure before any token reached the client may be retried."""
+    if not target.engine_id:
+        try:
+            await target.refresh(client)
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            return JSONResponse(error_body(f"prefill {target.url} unavailable: {exc!r}", "proxy_error", 502), 502), True
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    p_body = {**body, "max_tokens": 1, "stream": False,
+              "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
+    d_body = {**body, "kv_transfer_params": {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_engine_id": target.engine_id,
+        "remote_bootstrap_addr": target.bootstrap_addr,
+    }}
+    prefill = asyncio.create_task(client.post(f"{target.url}/v1/completions", json=p_body))
+    prefill.add_done_callback(_consume_exception)
+    d_request = client.build_request("POST", f"{decode_url}/v1/completions", json=d_body)
+    decode = asyncio.create_task(client.send(d_request, stream=True))
+    done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+    if prefill in done:
+        p_error = _prefill_error(prefill)
+        if p_error is not None:
+            # P will never produce this KV: drop D's request (D aborts its pull) and say why.
+            decode.cancel()
+            await asyncio.gather(decode, return_exceptions=True)
+            if decode.done() and not decode.cancelled() and decode.exception() is None:
+                await decode.result().aclose()
+            target.engine_id = ""  # P may have restarted with another engine id
+            return p_error, p_error.status_code >= 500
+    try:
+        d_response = await decode
+    except httpx.HTTPError as exc:
+        prefill.cancel()
+        return JSONResponse(error_body(f"decode {decode_url} unavailable: {exc!r}", "proxy_error", 502), 502), True
+    if d_response.status_code != 200:
+        content = await d_response.aread()
+        await d_response.aclose()
+        retryable = d_response.status_code == 500 and b"kv_load_failed" in content
+        if retryable:
+            target.engine_id = ""
+        return Response(content, d_response.status_code, media_type="application/json"), retryable
+    headers = {k: v for k, v in d_response.headers.items() if k.lower() not in _HOP_HEADERS}
+    if not stream:
+        content = await d_response.aread()
+        await d_response.aclose()
+        return Response(content, 200, headers=headers), False
+    return StreamingResponse(_relay(d_response, prefill), 200, headers=headers), False
+
+
+def _consume_exception(task: asyncio.Task[httpx.Response]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved here so an ignored P failure is not logged as "never retrieved"
+
+
+def _prefill_error(prefill: asyncio.Task[httpx.Response]) -> JSONResponse | None:
+    exc = prefill.exception()
+    if exc is not None:
+        return JSONResponse(error_body(f"prefill request failed: {exc!r}", "proxy_error", 502), 502)
+    r = prefill.result()
+    if r.status_code == 200:
+        return None
+    try:
+        content = r.json()
+    except ValueError:
+        content = error_body(r.text[:500], "proxy_error", r.status_code)
+    return JSONResponse(content, r.status_code)
+
+
+async def _relay(d_response: httpx.Response, prefill: asyncio.Task[httpx.Response]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in d_response.aiter_raw():
+            yield chunk
+    finally:
+        await d_response.aclose()
+        if not prefill.done():
+            prefill.cancel()
