@@ -16,15 +16,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-import xxhash
 import zmq
 import zmq.asyncio
 
-from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.layout import KV_REGION, block_runs, overlap, p_ranks_for
+from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
 from kvferry.connector.messages import (
     HeartbeatAck,
     MessageError,
@@ -123,21 +120,20 @@ class _Outbox:
 class Consumer:
     def __init__(
         self,
-        spec: KVCacheSpec,
-        kv_cache: np.ndarray,
+        layout: KVLayout,
         engines: list[TransferEngine],
         config: ConsumerConfig,
         metrics: Metrics,
         bootstrap: BootstrapClient | None = None,
     ) -> None:
-        self.spec = spec
+        self.layout = layout
         self.engines = engines
         self.config = config
         self.metrics = metrics
         self.bootstrap = bootstrap or BootstrapClient()
-        self._kv_bytes = memoryview(kv_cache.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         for engine in engines:
-            engine.register(KV_REGION, kv_cache)
+            for name, buffer in layout.regions().items():
+                engine.register(name, buffer)
         self.outbox = _Outbox()
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers: dict[tuple[int, str], _Dealer] = {}
@@ -217,7 +213,7 @@ class Consumer:
         )
 
     def _send_pulls(self, pull: PullMeta, info: EngineInfo) -> None:
-        heads_total = self.spec.num_kv_heads
+        heads_total = self.layout.num_kv_heads
         d_tp = self.config.tp_size
         for d_rank in range(d_tp):
             for p_rank in p_ranks_for(heads_total, info.tp_size, d_tp, d_rank):
@@ -227,7 +223,7 @@ class Consumer:
         pull.pull_tasks_count = len(pull.tasks)
         for task in pull.tasks:
             engine = self.engines[task.d_rank]
-            ranges = [r for b in pull.block_ids for r in block_runs(self.spec, b, task.heads)]
+            ranges = [r for b in pull.block_ids for r in self.layout.block_runs(b, task.heads)]
             task.grant = engine.open_grant(ranges)
             task.future = self.loop.create_future()
             request = PullRequest(
@@ -282,7 +278,7 @@ class Consumer:
     def _succeed(self, pull: PullMeta, resp: PullResponse) -> None:
         self._end(pull)
         elapsed = time.monotonic() - pull.started
-        nbytes = len(pull.block_ids) * self.spec.block_bytes
+        nbytes = len(pull.block_ids) * self.layout.block_bytes
         self.metrics.kv_transfers.inc()
         self.metrics.kv_transfer_bytes.inc(nbytes)
         self.metrics.kv_transfer_seconds.observe(elapsed)
@@ -326,15 +322,12 @@ class Consumer:
     def _covered(self, pull: PullMeta, task: PullTask, index: int) -> bool:
         if task.written is None:
             return False
-        return all(covered(task.written, r) for r in block_runs(self.spec, pull.block_ids[index], task.heads))
+        return all(covered(task.written, r) for r in self.layout.block_runs(pull.block_ids[index], task.heads))
 
     def _checksum_ok(self, pull: PullMeta, task: PullTask, index: int) -> bool:
         if index >= len(task.checksums):
             return False
-        h = xxhash.xxh64()
-        for off, n in self.spec.head_runs(pull.block_ids[index], *task.heads):
-            h.update(self._kv_bytes[off : off + n])
-        return h.intdigest() == task.checksums[index]
+        return self.layout.checksum(pull.block_ids[index], task.heads) == task.checksums[index]
 
     def _close_grant(self, task: PullTask) -> None:
         if task.grant is not None:

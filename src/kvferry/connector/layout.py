@@ -1,13 +1,73 @@
-"""Tensor-parallel head mapping: which P ranks a D rank pulls from, and the byte runs of each pull."""
+"""KV memory layouts, and the tensor-parallel head mapping: which P ranks a D rank pulls from and the
+byte runs of each pull."""
 
 from __future__ import annotations
 
+import abc
+import functools
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
 
 from kvferry.connector.base import KVCacheSpec
 from kvferry.transfer.base import ByteRange, WriteOp
 
 KV_REGION = "kv"
+
+
+class KVLayout(abc.ABC):
+    """Where a block's KV bytes live: named memory regions, and per block the byte runs of some heads.
+
+    The runs of a block for given heads must come in the same order on P and D, so that run i on P is
+    written into run i on D and both sides checksum the same bytes.
+    """
+
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+
+    @abc.abstractmethod
+    def regions(self) -> dict[str, Any]:
+        """name → writable C-contiguous buffer, registered with the transfer engine."""
+
+    @abc.abstractmethod
+    def block_runs(self, block_id: int, heads: tuple[int, int]) -> list[ByteRange]: ...
+
+    @property
+    @abc.abstractmethod
+    def block_bytes(self) -> int: ...
+
+    def checksum(self, block_id: int, heads: tuple[int, int]) -> int:
+        h = xxhash.xxh64()
+        for r in self.block_runs(block_id, heads):
+            h.update(self._byte_views[r.region][r.offset : r.end])
+        return h.intdigest()
+
+    @functools.cached_property
+    def _byte_views(self) -> dict[str, memoryview]:
+        return {name: memoryview(np.asarray(buf).reshape(-1).view(np.uint8)) for name, buf in self.regions().items()}  # type: ignore[arg-type]
+
+
+class PagedKVLayout(KVLayout):
+    """kvferry's own engine: ONE array in the `KVCacheSpec` layout."""
+
+    def __init__(self, spec: KVCacheSpec, kv_cache: np.ndarray) -> None:
+        if kv_cache.shape != spec.shape or not kv_cache.flags.c_contiguous:
+            raise ValueError(f"KV cache must be C-contiguous with shape {spec.shape}, got {kv_cache.shape}")
+        self.spec, self.kv_cache = spec, kv_cache
+        self.num_blocks, self.num_kv_heads, self.block_size = spec.num_blocks, spec.num_kv_heads, spec.block_size
+
+    def regions(self) -> dict[str, Any]:
+        return {KV_REGION: self.kv_cache}
+
+    def block_runs(self, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
+        return [ByteRange(KV_REGION, off, n) for off, n in self.spec.head_runs(block_id, *heads)]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.spec.block_bytes
 
 
 def head_range(num_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -36,20 +96,22 @@ def d_ranks_for(num_heads: int, p_tp: int, p_rank: int, d_tp: int) -> list[int]:
     return [d for d in range(d_tp) if overlap(num_heads, p_tp, p_rank, d_tp, d) is not None]
 
 
-def block_runs(spec: KVCacheSpec, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
-    return [ByteRange(KV_REGION, off, n) for off, n in spec.head_runs(block_id, *heads)]
-
-
 def write_ops(
-    spec: KVCacheSpec, src_blocks: Sequence[int], dst_blocks: Sequence[int], heads: tuple[int, int]
+    layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int], heads: tuple[int, int]
 ) -> list[WriteOp]:
     """Ops copying `heads` of each src block into the matching dst block, adjacent runs merged."""
     ops: list[WriteOp] = []
     for src, dst in zip(src_blocks, dst_blocks, strict=True):
-        for (s_off, n), (d_off, _) in zip(spec.head_runs(src, *heads), spec.head_runs(dst, *heads), strict=True):
+        for s, d in zip(layout.block_runs(src, heads), layout.block_runs(dst, heads), strict=True):
             last = ops[-1] if ops else None
-            if last and last.src_offset + last.length == s_off and last.dst_offset + last.length == d_off:
-                ops[-1] = WriteOp(KV_REGION, last.src_offset, KV_REGION, last.dst_offset, last.length + n)
+            if (
+                last
+                and last.src_region == s.region
+                and last.dst_region == d.region
+                and last.src_offset + last.length == s.offset
+                and last.dst_offset + last.length == d.offset
+            ):
+                ops[-1] = WriteOp(s.region, last.src_offset, d.region, last.dst_offset, last.length + s.length)
             else:
-                ops.append(WriteOp(KV_REGION, s_off, KV_REGION, d_off, n))
+                ops.append(WriteOp(s.region, s.offset, d.region, d.offset, s.length))
     return ops

@@ -23,6 +23,7 @@ from kvferry.connector.base import (
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.consumer import Consumer, ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
+from kvferry.connector.layout import KVLayout, PagedKVLayout
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.producer import Producer
 from kvferry.transfer.base import TransferEngine
@@ -161,6 +162,10 @@ class PDConnector(KVConnector):
 
     # ---- worker role ------------------------------------------------------------------------------
     def register_kv_cache(self, spec: KVCacheSpec, kv_cache: np.ndarray) -> None:
+        self.register_kv_layout(PagedKVLayout(spec, kv_cache))
+
+    def register_kv_layout(self, layout: KVLayout) -> None:
+        """Any memory layout (vLLM's per-layer tensors, say) that can name a block's byte runs."""
         self.transfer_engines = [self._new_transfer_engine() for _ in range(self.config.tp_size)]
         if self.is_decode:
             consumer_config = ConsumerConfig(
@@ -170,10 +175,10 @@ class PDConnector(KVConnector):
                 self.config.checksums,
                 self.config.faults,
             )
-            self.consumer = Consumer(spec, kv_cache, self.transfer_engines, consumer_config, self.metrics)
+            self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics)
             return
         self.producer = Producer(
-            spec, kv_cache, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
+            layout, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
             self.config.faults, self.metrics,
         )
         self.bootstrap_server = BootstrapServer(self.config.host, self.config.bootstrap_port, self.config.faults)

@@ -19,12 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 import zmq
 
-from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.layout import KV_REGION, d_ranks_for, overlap, write_ops
+from kvferry.connector.layout import KVLayout, d_ranks_for, overlap, write_ops
 from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,
@@ -65,8 +63,7 @@ class Transfer:
 class Producer:
     def __init__(
         self,
-        spec: KVCacheSpec,
-        kv_cache: np.ndarray,
+        layout: KVLayout,
         engines: list[TransferEngine],
         host: str,
         abort_timeout_s: float,
@@ -74,18 +71,17 @@ class Producer:
         metrics: Metrics,
         lease_s: float | None = None,
     ) -> None:
-        self.spec = spec
+        self.layout = layout
         self.tp_size = len(engines)
         self.engines = engines
         self.abort_timeout_s = abort_timeout_s
         self.lease_s = lease_s if lease_s is not None else abort_timeout_s
         self.faults = faults
         self.metrics = metrics
-        self._kv = kv_cache
-        self._kv_bytes = memoryview(kv_cache.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         self._scratch = np.frombuffer(b"\xa5" * 64, dtype=np.uint8).copy()
         for engine in engines:
-            engine.register(KV_REGION, kv_cache)
+            for name, buffer in layout.regions().items():
+                engine.register(name, buffer)
             engine.register(SCRATCH_REGION, self._scratch)
         self._lock = threading.Lock()
         self._transfers: dict[str, Transfer] = {}
@@ -150,7 +146,7 @@ class Producer:
         if all(
             (p, d) in t.served
             for p in range(self.tp_size)
-            for d in d_ranks_for(self.spec.num_kv_heads, self.tp_size, p, d_tp)
+            for d in d_ranks_for(self.layout.num_kv_heads, self.tp_size, p, d_tp)
         ):
             self._finish(t)
 
@@ -162,18 +158,12 @@ class Producer:
     # ---- pull handling (rank threads) -------------------------------------------------------------
     def plan_write(self, t: Transfer, pull: PullRequest, p_rank: int) -> tuple[list[WriteOp], list[int]]:
         assert t.block_ids is not None
-        heads = overlap(self.spec.num_kv_heads, self.tp_size, p_rank, pull.d_tp_size, pull.d_tp_rank)
+        heads = overlap(self.layout.num_kv_heads, self.tp_size, p_rank, pull.d_tp_size, pull.d_tp_rank)
         assert heads is not None
         src = t.block_ids[: len(pull.block_ids)]
-        ops = write_ops(self.spec, src, pull.block_ids, heads)
-        checksums = [self._checksum(b, heads) for b in src] if pull.want_checksums else []
+        ops = write_ops(self.layout, src, pull.block_ids, heads)
+        checksums = [self.layout.checksum(b, heads) for b in src] if pull.want_checksums else []
         return ops, checksums
-
-    def _checksum(self, block_id: int, heads: tuple[int, int]) -> int:
-        h = xxhash.xxh64()
-        for off, n in self.spec.head_runs(block_id, *heads):
-            h.update(self._kv_bytes[off : off + n])
-        return h.intdigest()
 
 
 class _RankLoop(threading.Thread):
@@ -277,7 +267,7 @@ class _RankLoop(threading.Thread):
                     self.p._finish(t)
 
     def _invalid(self, pull: PullRequest) -> str | None:
-        spec = self.p.spec
+        spec = self.p.layout
         if pull.d_tp_size < 1 or spec.num_kv_heads % pull.d_tp_size:
             return f"D tp_size {pull.d_tp_size} does not divide {spec.num_kv_heads} KV heads"
         if not 0 <= pull.d_tp_rank < pull.d_tp_size:
