@@ -105,7 +105,4 @@ class TransferEngine(abc.ABC):
 
 def covered(written: Sequence[ByteRange], want: ByteRange) -> bool:
     """True when `want` lies entirely inside one of the merged, sorted `written` ranges."""
-    for r in written:
-        if r.region == want.region and r.offset <= want.offset and want.end <= r.end:
-            return True
-    return False
+    return any(r.region == want.region and r.offset <= want.offset and want.end <= r.end for r in written)

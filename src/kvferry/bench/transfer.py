@@ -1,0 +1,241 @@
+"""`kvferry bench transfer`: in-process numpy gather/scatter vs the TCP engine vs Mooncake TE.
+
+- memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit).
+- tcp: sender in this process, receiver in a subprocess (`kvferry.transfer.peer`), so the two sides
+  do not share a GIL; CPU time is the sum of both processes.
+- mooncake: both engines in one subprocess inside a private network namespace (its listeners bind
+  every interface); skipped when it is not installed or no namespace can be made.
+Block ids are random permutations on both sides; every byte is verified with xxh3 outside the timed
+part; GB/s is the median over repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvferry.transfer.base import ByteRange, WriteOp
+
+MiB = 1 << 20
+GiB = 1 << 30
+# (layout, block KiB, total bytes per repetition); "contiguous" is one run of `total` bytes.
+LAYOUTS = [
+    ("paged", 2, 16 * MiB),
+    ("paged", 16, 64 * MiB),
+    ("paged", 64, 64 * MiB),
+    ("paged", 256, 64 * MiB),
+    ("contiguous", 16 * 1024, 16 * MiB),
+]
+REGION = 64 * MiB
+
+Case = tuple[str, int, int]
+Result = tuple[float, float]  # median GB/s, CPU seconds per GiB
+
+
+def _scale(quick: bool) -> tuple[int, int]:
+    """(repetitions, total divisor)."""
+    return (2, 4) if quick else (5, 1)
+
+
+def _plan(case: Case, div: int, rng: np.random.Generator) -> tuple[int, np.ndarray, np.ndarray]:
+    """Block size, src ids, dst ids (a contiguous case is a single block)."""
+    layout, kib, total = case
+    total //= div
+    if layout == "contiguous":
+        return total, np.zeros(1, np.int64), np.zeros(1, np.int64)
+    bs = kib * 1024
+    n = total // bs
+    return bs, rng.permutation(REGION // bs)[:n], rng.permutation(REGION // bs)[:n]
+
+
+def _digest(mem: np.ndarray, bs: int, ids: np.ndarray) -> str:
+    h = xxhash.xxh3_64()
+    for i in ids.tolist():
+        h.update(mem[i * bs : (i + 1) * bs].data)
+    return str(h.hexdigest())
+
+
+def _measure(reps: int, once: Callable[[], tuple[float, float, int]]) -> Result:
+    """`once` returns (seconds, cpu seconds, bytes) of one verified repetition."""
+    speeds, cpu, nbytes = [], 0.0, 0
+    for _ in range(reps):
+        dt, dcpu, n = once()
+        speeds.append(n / dt / 1e9)
+        cpu += dcpu
+        nbytes += n
+    return statistics.median(speeds), cpu / (nbytes / GiB)
+
+
+def bench_memcpy(case: Case, reps: int, div: int, seed: int) -> Result:
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, REGION, np.uint8)
+    dst = np.zeros(REGION, np.uint8)
+
+    def once() -> tuple[float, float, int]:
+        bs, si, di = _plan(case, div, rng)
+        dst.fill(0)
+        s2, d2 = src[: REGION // bs * bs].reshape(-1, bs), dst[: REGION // bs * bs].reshape(-1, bs)
+        c0, t0 = time.process_time(), time.perf_counter()
+        d2[di] = s2[si]
+        t1, c1 = time.perf_counter(), time.process_time()
+        assert _digest(src, bs, si) == _digest(dst, bs, di), "memcpy bytes differ"
+        return t1 - t0, c1 - c0, bs * len(si)
+
+    return _measure(reps, once)
+
+
+def bench_tcp(cases: list[Case], reps: int, div: int, seed: int) -> list[Result]:
+    from kvferry.transfer.peer import PeerProcess
+    from kvferry.transfer.tcp import TcpTransferEngine
+
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, REGION, np.uint8)
+    out = []
+    with TcpTransferEngine() as engine, PeerProcess(REGION) as peer:
+        engine.register("src", src)
+        for case in cases:
+
+            def once(case: Case = case) -> tuple[float, float, int]:
+                bs, si, di = _plan(case, div, rng)
+                ops = [
+                    WriteOp("src", s * bs, "dst", d * bs, bs)
+                    for s, d in zip(si.tolist(), di.tolist(), strict=True)
+                ]
+                peer.call("fill", value=0)
+                token = peer.grant([ByteRange("dst", 0, REGION)])
+                pc0 = peer.call("stats")["cpu"]
+                c0, t0 = time.process_time(), time.perf_counter()
+                engine.write(peer.address, token, ops, time.monotonic() + 60)
+                t1, c1 = time.perf_counter(), time.process_time()
+                pc1 = peer.call("stats")["cpu"]
+                peer.close_grant(token)
+                pieces = [(d * bs, bs) for d in di.tolist()]
+                assert peer.digest(pieces) == _digest(src, bs, si), "tcp bytes differ"
+                return t1 - t0, (c1 - c0) + (pc1 - pc0), bs * len(si)
+
+            out.append(_measure(reps, once))
+    return out
+
+
+def _mooncake_worker(cfg: dict[str, Any]) -> list[Result]:
+    """Runs inside the namespace: both Mooncake engines in this process."""
+    from kvferry.transfer.mooncake import MooncakeTransferEngine
+    from kvferry.transfer.netns import loopback_up
+
+    loopback_up()
+    rng = np.random.default_rng(cfg["seed"])
+    src = rng.integers(0, 256, REGION, np.uint8)
+    dst = np.zeros(REGION, np.uint8)
+    a, b = MooncakeTransferEngine(), MooncakeTransferEngine()
+    try:
+        a.register("src", src)
+        b.register("dst", dst)
+        out = []
+        for case in cfg["cases"]:
+
+            def once(case: Case = tuple(case)) -> tuple[float, float, int]:  # type: ignore[assignment]
+                bs, si, di = _plan(case, cfg["div"], rng)
+                ops = [
+                    WriteOp("src", s * bs, "dst", d * bs, bs)
+                    for s, d in zip(si.tolist(), di.tolist(), strict=True)
+                ]
+                dst.fill(0)
+                token = b.open_grant([ByteRange("dst", 0, REGION)])
+                c0, t0 = time.process_time(), time.perf_counter()
+                a.write(b.address, token, ops, time.monotonic() + 60)
+                t1, c1 = time.perf_counter(), time.process_time()
+                b.close_grant(token)
+                assert _digest(src, bs, si) == _digest(dst, bs, di), "mooncake bytes differ"
+                return t1 - t0, c1 - c0, bs * len(si)
+
+            out.append(_measure(cfg["reps"], once))
+        return out
+    finally:
+        a.close()
+        b.close()
+
+
+def bench_mooncake(cases: list[Case], reps: int, div: int, seed: int) -> tuple[list[Result] | None, str]:
+    from kvferry.transfer import mooncake
+    from kvferry.transfer.netns import unshare_prefix
+
+    if not mooncake.available():
+        return None, "mooncake not installed"
+    prefix = unshare_prefix()
+    if prefix is None:
+        return None, "no private network namespace (unshare) for Mooncake's all-interface listeners"
+    cfg = json.dumps({"cases": cases, "reps": reps, "div": div, "seed": seed})
+    env = {**os.environ, "GLOG_minloglevel": "3"}
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-m", "kvferry.bench.transfer", "--mooncake-worker", cfg],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    if proc.returncode != 0:
+        return None, f"mooncake worker failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}"
+    return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])], ""  # type: ignore[misc]
+
+
+def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
+    from kvferry.bench.report import report
+
+    reps, div = _scale(quick)
+    seed = 1234
+    cases: list[Case] = list(LAYOUTS)
+    results: dict[str, list[Result]] = {
+        "memcpy": [bench_memcpy(c, reps, div, seed) for c in cases],
+        "tcp": bench_tcp(cases, reps, div, seed),
+    }
+    mc, why = bench_mooncake(cases, reps, div, seed)
+    if mc is not None:
+        results["mooncake"] = mc
+    rows: list[dict[str, Any]] = []
+    for i, (layout, kib, _) in enumerate(cases):
+        for backend, res in results.items():
+            gbps, cpu = res[i]
+            rows.append(
+                {
+                    "backend": backend,
+                    "layout": layout,
+                    "block_kib": kib,
+                    "GB/s": round(gbps, 3),
+                    "cpu_s_per_gib": round(cpu, 3),
+                    "x_memcpy": round(gbps / results["memcpy"][i][0], 3),
+                    "x_mooncake": round(gbps / mc[i][0], 2) if mc is not None else None,
+                }
+            )
+    report("kvferry bench transfer", rows, json_path)
+    if why:
+        print(f"mooncake skipped: {why}", file=sys.stderr)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", dest="json_path", default=None, help="write the rows as a JSON list")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller transfers")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.json_path, quick=args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--mooncake-worker":
+        print(json.dumps(_mooncake_worker(json.loads(sys.argv[2]))))
+        sys.exit(0)
+    p = argparse.ArgumentParser(prog="python -m kvferry.bench.transfer")
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))

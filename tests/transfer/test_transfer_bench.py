@@ -1,0 +1,14 @@
+"""Smoke test of the transfer bench's building blocks on a tiny layout (the full bench takes ~10 s)."""
+
+from __future__ import annotations
+
+from kvferry.bench import transfer as bench
+
+
+def test_bench_memcpy_and_tcp_verify_and_report() -> None:
+    cases = [("paged", 16, 1 << 20), ("contiguous", 1024, 1 << 20)]
+    for case in cases:
+        gbps, cpu = bench.bench_memcpy(case, reps=1, div=1, seed=0)
+        assert gbps > 0 and cpu >= 0
+    for gbps, cpu in bench.bench_tcp(cases, reps=2, div=1, seed=0):
+        assert gbps > 0 and cpu > 0
