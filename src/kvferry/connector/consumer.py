@@ -20,18 +20,10 @@ import zmq
 import zmq.asyncio
 
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo
+from kvferry.connector.dealer import Dealer
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
-from kvferry.connector.messages import (
-    HeartbeatAck,
-    MessageError,
-    PullRequest,
-    PullResponse,
-    Release,
-    Status,
-    decode_response,
-    encode,
-)
+from kvferry.connector.messages import PullRequest, PullResponse, Release, Status, encode
 from kvferry.connector.metrics import Metrics
 from kvferry.transfer.base import ByteRange, TransferEngine, covered
 
@@ -57,6 +49,19 @@ class ConsumerConfig:
     kv_load_deadline_s: float = 60.0
     checksums: bool = True
     faults: FaultSpec = field(default_factory=FaultSpec)
+    # Liveness of P: heartbeats every interval, dead after timeout of silence; 0 turns liveness off
+    # (heartbeats and connection-close events), leaving only the timeouts, as in vLLM's connectors.
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.5
+
+    @property
+    def liveness(self) -> bool:
+        return self.heartbeat_timeout_s > 0
+
+    @property
+    def lease_s(self) -> float:
+        """How long P holds a transfer without hearing from us (0: P's own abort timeout)."""
+        return 8 * self.heartbeat_interval_s if self.liveness else 0.0
 
 
 @dataclass
@@ -102,7 +107,9 @@ class _Outbox:
         self.invalid: set[int] = set()
         self.causes: dict[str, tuple[str, str]] = {}
 
-    def report(self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None) -> None:
+    def report(
+        self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None
+    ) -> None:
         with self._lock:
             # Cause and blocks go in with the request, so one drain never sees the request without them.
             if cause is not None:
@@ -136,11 +143,13 @@ class Consumer:
                 engine.register(name, buffer)
         self.outbox = _Outbox()
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
-        self._dealers: dict[tuple[int, str], _Dealer] = {}
+        self._dealers: dict[tuple[int, str], Dealer] = {}
         self._ctx = zmq.asyncio.Context()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kv-consumer", daemon=True)
         self._thread.start()
+        if config.liveness:
+            self._watchdog = asyncio.run_coroutine_threadsafe(self._heartbeats(), self.loop)
 
     # ---- engine thread ----------------------------------------------------------------------------
     def start_pulls(self, specs: Iterable[PullSpec]) -> None:
@@ -165,6 +174,8 @@ class Consumer:
             for pull in list(self._pulls.values()):
                 if pull.coroutine is not None:
                     pull.coroutine.cancel()
+            if self.config.liveness:
+                self._watchdog.cancel()
             for dealer in self._dealers.values():
                 dealer.close()
 
@@ -172,7 +183,7 @@ class Consumer:
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
         self.bootstrap.close()
 
     # ---- loop thread ------------------------------------------------------------------------------
@@ -192,7 +203,9 @@ class Consumer:
                 self._send_pulls(pull, info)
                 await self._await_replies(pull)
         except TimeoutError:
-            self._handle_failed_recv([pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s")
+            self._handle_failed_recv(
+                [pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s"
+            )
         except BootstrapError as exc:
             self._handle_failed_recv([pull], "bootstrap", str(exc))
         except asyncio.CancelledError:
@@ -232,12 +245,16 @@ class Consumer:
                 d_transfer_addr=engine.address,
                 grant_token=task.grant,
                 block_ids=pull.block_ids,
+                d_num_blocks=self.layout.num_blocks,
                 d_tp_size=d_tp,
                 d_tp_rank=task.d_rank,
                 num_tokens=pull.spec.num_tokens,
+                lease_s=self.config.lease_s,
                 want_checksums=self.config.checksums,
             )
-            self._dealer(task.d_rank, task.control_addr).send(pull, task, request)
+            self._dealer(task.d_rank, task.control_addr).send(
+                (pull.spec.transfer_id, pull.request_id), task.future, encode(request)
+            )
 
     async def _await_replies(self, pull: PullMeta) -> None:
         waiting = {t.future: t for t in pull.tasks if t.future is not None}
@@ -247,7 +264,9 @@ class Consumer:
                 waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
-                self._handle_failed_recv([pull], "recv_timeout", f"no reply from P within {self.config.recv_timeout_s}s")
+                self._handle_failed_recv(
+                    [pull], "recv_timeout", f"no reply from P within {self.config.recv_timeout_s}s"
+                )
                 return
             for future in done:
                 self._on_response(pull, waiting.pop(future), future.result())
@@ -260,13 +279,17 @@ class Consumer:
         elif pull.request_id in resp.err_reqs:
             self._handle_failed_recv([pull], "err_reqs", f"P rank {task.p_rank}: {resp.err_msg}")
         elif pull.request_id not in resp.ok_reqs:
-            self._handle_failed_recv([pull], "error_reply", f"P rank {task.p_rank} finished without this request")
+            self._handle_failed_recv(
+                [pull], "error_reply", f"P rank {task.p_rank} finished without this request"
+            )
         else:
             self._close_grant(task)
             bad = self._bad_blocks(pull, [task])
             if bad:
                 cause = "checksum" if all(self._covered(pull, task, b) for b in bad) else "transport"
-                self._handle_failed_recv([pull], cause, f"{len(bad)} block(s) from P rank {task.p_rank} {cause} error")
+                self._handle_failed_recv(
+                    [pull], cause, f"{len(bad)} block(s) from P rank {task.p_rank} {cause} error"
+                )
                 return
             task.done = True
             pull.pull_tasks_count = max(0, pull.pull_tasks_count - 1)
@@ -314,7 +337,9 @@ class Consumer:
         bad = []
         for i in range(len(pull.block_ids)):
             for task in tasks:
-                if not self._covered(pull, task, i) or (task.checksums and not self._checksum_ok(pull, task, i)):
+                if not self._covered(pull, task, i) or (
+                    task.checksums and not self._checksum_ok(pull, task, i)
+                ):
                     bad.append(i)
                     break
         return bad
@@ -322,7 +347,9 @@ class Consumer:
     def _covered(self, pull: PullMeta, task: PullTask, index: int) -> bool:
         if task.written is None:
             return False
-        return all(covered(task.written, r) for r in self.layout.block_runs(pull.block_ids[index], task.heads))
+        return all(
+            covered(task.written, r) for r in self.layout.block_runs(pull.block_ids[index], task.heads)
+        )
 
     def _checksum_ok(self, pull: PullMeta, task: PullTask, index: int) -> bool:
         if index >= len(task.checksums):
@@ -343,7 +370,7 @@ class Consumer:
                 task.future.cancel()
             dealer = self._dealers.get((task.d_rank, task.control_addr))
             if dealer is not None:
-                dealer.forget(pull.spec.transfer_id, pull.request_id)
+                dealer.forget((pull.spec.transfer_id, pull.request_id))
         if pull.coroutine is not None and pull.coroutine is not asyncio.current_task():
             pull.coroutine.cancel()
 
@@ -363,53 +390,20 @@ class Consumer:
             if pull.block_ids:
                 self.outbox.report(request_id)
 
-    def _dealer(self, d_rank: int, addr: str) -> _Dealer:
+    def _dealer(self, d_rank: int, addr: str) -> Dealer:
         dealer = self._dealers.get((d_rank, addr))
         if dealer is None:
-            dealer = self._dealers[(d_rank, addr)] = _Dealer(self, addr)
+            dealer = Dealer(self._ctx, addr, self._on_peer_dead, self.config.liveness)
+            self._dealers[(d_rank, addr)] = dealer
         return dealer
 
+    def _on_peer_dead(self, request_ids: list[str], reason: str) -> None:
+        pulls = [self._pulls[r] for r in request_ids if r in self._pulls]
+        self._handle_failed_recv(pulls, "peer_dead", reason)
 
-class _Dealer:
-    """One DEALER socket from a D rank to a P rank, with a reader that routes replies to pulls."""
-
-    def __init__(self, consumer: Consumer, addr: str) -> None:
-        self.consumer = consumer
-        self.sock = consumer._ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
-        self.sock.connect(addr)
-        self.waiters: dict[tuple[str, str], PullTask] = {}
-        self.reader = consumer.loop.create_task(self._read())
-
-    def send(self, pull: PullMeta, task: PullTask, request: PullRequest) -> None:
-        self.waiters[(pull.spec.transfer_id, pull.request_id)] = task
-        self.send_raw(encode(request))
-
-    def send_raw(self, data: bytes) -> None:
-        try:
-            self.sock.send(data, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("control message dropped: %s", exc)
-
-    def forget(self, transfer_id: str, request_id: str) -> None:
-        self.waiters.pop((transfer_id, request_id), None)
-
-    async def _read(self) -> None:
+    async def _heartbeats(self) -> None:
         while True:
-            data = await self.sock.recv()
-            try:
-                message = decode_response(data)
-            except MessageError as exc:
-                log.warning("malformed reply from P ignored: %s", exc)
-                continue
-            if isinstance(message, HeartbeatAck) or message.status == Status.CONTINUE:
-                continue
-            task = self.waiters.pop((message.transfer_id, message.d_request_id), None)
-            if task is not None and task.future is not None and not task.future.done():
-                task.future.set_result(message)
-
-    def close(self) -> None:
-        self.reader.cancel()
-        self.sock.close(0)
-
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            now = self.loop.time()
+            for dealer in list(self._dealers.values()):
+                dealer.heartbeat(now, self.config.heartbeat_timeout_s, self.config.lease_s)

@@ -4,6 +4,7 @@ byte runs of each pull."""
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,14 @@ class KVLayout(abc.ABC):
     @abc.abstractmethod
     def block_bytes(self) -> int: ...
 
+    def peer_block_runs(self, block_id: int, heads: tuple[int, int], peer_num_blocks: int) -> list[ByteRange]:
+        """Runs of a block in a peer with the same layout but its own number of blocks."""
+        if not 0 <= block_id < peer_num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {peer_num_blocks})")
+        if peer_num_blocks != self.num_blocks:
+            raise ValueError("this layout cannot describe a peer with a different number of blocks")
+        return self.block_runs(block_id, heads)
+
     def checksum(self, block_id: int, heads: tuple[int, int]) -> int:
         h = xxhash.xxh64()
         for r in self.block_runs(block_id, heads):
@@ -69,6 +78,10 @@ class PagedKVLayout(KVLayout):
     def block_bytes(self) -> int:
         return self.spec.block_bytes
 
+    def peer_block_runs(self, block_id: int, heads: tuple[int, int], peer_num_blocks: int) -> list[ByteRange]:
+        peer = dataclasses.replace(self.spec, num_blocks=peer_num_blocks)
+        return [ByteRange(KV_REGION, off, n) for off, n in peer.head_runs(block_id, *heads)]
+
 
 def head_range(num_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     if tp_size < 1 or num_heads % tp_size:
@@ -97,12 +110,19 @@ def d_ranks_for(num_heads: int, p_tp: int, p_rank: int, d_tp: int) -> list[int]:
 
 
 def write_ops(
-    layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int], heads: tuple[int, int]
+    layout: KVLayout,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    heads: tuple[int, int],
+    dst_num_blocks: int | None = None,
 ) -> list[WriteOp]:
-    """Ops copying `heads` of each src block into the matching dst block, adjacent runs merged."""
+    """Ops copying `heads` of each src block into the matching dst block (in a peer with
+    `dst_num_blocks` blocks; default: same as ours), adjacent runs merged."""
+    n_dst = layout.num_blocks if dst_num_blocks is None else dst_num_blocks
     ops: list[WriteOp] = []
     for src, dst in zip(src_blocks, dst_blocks, strict=True):
-        for s, d in zip(layout.block_runs(src, heads), layout.block_runs(dst, heads), strict=True):
+        src_runs, dst_runs = layout.block_runs(src, heads), layout.peer_block_runs(dst, heads, n_dst)
+        for s, d in zip(src_runs, dst_runs, strict=True):
             last = ops[-1] if ops else None
             if (
                 last

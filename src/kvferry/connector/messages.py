@@ -27,6 +27,7 @@ class PullRequest(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
     d_transfer_addr: str  # host:port of D rank's TransferEngine
     grant_token: str  # D's open grant for exactly these blocks
     block_ids: list[int]  # D's local block ids, one per prompt block; empty = release-only pull
+    d_num_blocks: int  # size of D's pool (same layout otherwise), so P can place and check D's ids
     d_tp_size: int
     d_tp_rank: int
     num_tokens: int  # prompt tokens D expects to receive

@@ -26,6 +26,7 @@ from kvferry.connector.layout import KVLayout, d_ranks_for, overlap, write_ops
 from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,
+    Inbound,
     MessageError,
     PullRequest,
     PullResponse,
@@ -53,6 +54,7 @@ class Transfer:
     num_tokens: int = 0
     dead: str | None = None  # the P request ended without KV (aborted, error)
     pulled: bool = False
+    inflight: int = 0  # writes reading these blocks right now: never free under them
     served: set[tuple[int, int]] = field(default_factory=set)  # (p_rank, d_rank) pairs done
 
     @property
@@ -69,13 +71,11 @@ class Producer:
         abort_timeout_s: float,
         faults: FaultSpec,
         metrics: Metrics,
-        lease_s: float | None = None,
     ) -> None:
         self.layout = layout
         self.tp_size = len(engines)
         self.engines = engines
         self.abort_timeout_s = abort_timeout_s
-        self.lease_s = lease_s if lease_s is not None else abort_timeout_s
         self.faults = faults
         self.metrics = metrics
         self._scratch = np.frombuffer(b"\xa5" * 64, dtype=np.uint8).copy()
@@ -126,7 +126,7 @@ class Producer:
         for r in self._ranks:
             r.join()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def _wake_all(self) -> None:
         for r in self._ranks:
@@ -152,7 +152,7 @@ class Producer:
 
     def expire(self, now: float) -> None:
         with self._lock:
-            for t in [t for t in self._transfers.values() if t.expires <= now]:
+            for t in [t for t in self._transfers.values() if t.expires <= now and not t.inflight]:
                 self._finish(t, expired=True)
 
     # ---- pull handling (rank threads) -------------------------------------------------------------
@@ -161,7 +161,7 @@ class Producer:
         heads = overlap(self.layout.num_kv_heads, self.tp_size, p_rank, pull.d_tp_size, pull.d_tp_rank)
         assert heads is not None
         src = t.block_ids[: len(pull.block_ids)]
-        ops = write_ops(self.layout, src, pull.block_ids, heads)
+        ops = write_ops(self.layout, src, pull.block_ids, heads, pull.d_num_blocks)
         checksums = [self.layout.checksum(b, heads) for b in src] if pull.want_checksums else []
         return ops, checksums
 
@@ -240,6 +240,13 @@ class _RankLoop(threading.Thread):
         except MessageError as exc:
             self.reply(identity, PullResponse(Status.ERROR, err_msg=f"malformed message: {exc}"))
             return
+        try:
+            self._dispatch(identity, message)
+        except Exception as exc:  # a bad message must cost one ERROR reply, never the rank's loop
+            log.exception("producer rank %d failed on a message", self.rank)
+            self.reply(identity, PullResponse(Status.ERROR, err_msg=f"P internal error: {exc!r}"))
+
+    def _dispatch(self, identity: bytes, message: Inbound) -> None:
         if isinstance(message, Heartbeat):
             self.reply(identity, self._heartbeat(message))
         elif isinstance(message, Release):
@@ -256,7 +263,7 @@ class _RankLoop(threading.Thread):
                 if t is None:
                     unknown.append(tid)
                 elif t.ready:
-                    t.expires = max(t.expires, now + (hb.lease_s or self.p.lease_s))
+                    t.expires = max(t.expires, now + (hb.lease_s or self.p.abort_timeout_s))
         return HeartbeatAck(unknown)
 
     def _release(self, release: Release) -> None:
@@ -278,8 +285,8 @@ class _RankLoop(threading.Thread):
             return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens"
         if len(set(pull.block_ids)) != len(pull.block_ids):
             return "duplicate block ids"
-        if any(b < 0 for b in pull.block_ids):
-            return "negative block id"
+        if any(not 0 <= b < pull.d_num_blocks for b in pull.block_ids):
+            return f"block id out of range [0, {pull.d_num_blocks})"
         return None
 
     def _on_pull(self, identity: bytes, pull: PullRequest, arrived: float) -> None:
@@ -288,8 +295,6 @@ class _RankLoop(threading.Thread):
             self.reply(identity, self._response(pull, Status.ERROR, err_msg=error))
             return
         fault = self.p.faults.fault_for(pull.transfer_id)
-        if fault == "drop_reply":
-            return  # the injected fault: this pull is never answered
         if fault == "error_reply":
             self.reply(identity, self._response(pull, Status.ERROR, err_msg="injected error reply", injected=True))
             return
@@ -308,6 +313,10 @@ class _RankLoop(threading.Thread):
                 self.reply(identity, self._response(pull, Status.FINISH))
                 return
             t.pulled = True
+            # From the first pull on, D's lease (renewed by its heartbeats) decides how long we hold.
+            t.expires = max(t.expires, arrived + (pull.lease_s or self.p.abort_timeout_s))
+            if fault == "drop_reply":
+                return  # the injected fault: this pull is never answered
             if t.dead:
                 msg = t.dead
                 self.p._finish(t)
@@ -321,7 +330,7 @@ class _RankLoop(threading.Thread):
                 self.reply(identity, self._response(pull, Status.ERROR, err_msg="P num blocks less than D"))
                 return
             ops, checksums = self.p.plan_write(t, pull, self.rank)
-            t.expires = max(t.expires, time.monotonic() + self.p.lease_s)
+            t.inflight += 1
         self.reply(identity, self._response(pull, Status.CONTINUE))
         self.p._pool.submit(self._serve, identity, pull, ops, checksums, fault)
 
@@ -387,6 +396,7 @@ class _RankLoop(threading.Thread):
             t = self.p._transfers.get(pull.transfer_id)
             if t is None:
                 return
+            t.inflight -= 1
             if failed:
                 self.p._finish(t)  # D fails the request; nobody will pull this transfer again
                 return

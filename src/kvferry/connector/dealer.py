@@ -1,0 +1,111 @@
+"""One DEALER socket from a D rank to a P rank: routes replies to waiting pulls and watches P's liveness.
+
+A dead P is noticed two ways: the TCP connection closing (ZMQ monitor event; a killed process is seen
+at once) and silence (heartbeats unanswered for `timeout`; a hung process, e.g. SIGSTOP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvferry.connector.messages import (
+    Heartbeat,
+    HeartbeatAck,
+    MessageError,
+    PullResponse,
+    Status,
+    decode_response,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+WaiterKey = tuple[str, str]  # (transfer_id, d_request_id)
+# Called with the request ids waiting on a dead P and the reason.
+OnDead = Callable[[list[str], str], None]
+
+
+class Dealer:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, on_dead: OnDead, watch_connection: bool) -> None:
+        self.addr = addr
+        self.on_dead = on_dead
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
+        self.waiters: dict[WaiterKey, asyncio.Future[PullResponse]] = {}
+        loop = asyncio.get_running_loop()
+        self.last_seen = loop.time()
+        self.waiting_since: float | None = None
+        self._tasks = [loop.create_task(self._read())]
+        self._monitor: zmq.asyncio.Socket | None = None
+        if watch_connection:
+            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._tasks.append(loop.create_task(self._watch(self._monitor)))
+        self.sock.connect(addr)
+
+    def send(self, key: WaiterKey, future: asyncio.Future[PullResponse], data: bytes) -> None:
+        if not self.waiters:
+            self.waiting_since = asyncio.get_running_loop().time()
+        self.waiters[key] = future
+        self.send_raw(data)
+
+    def send_raw(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("control message to %s dropped: %s", self.addr, exc)
+
+    def forget(self, key: WaiterKey) -> None:
+        self.waiters.pop(key, None)
+
+    def heartbeat(self, now: float, timeout: float, lease_s: float) -> None:
+        """Ping P for the pulls waiting on it; declare it dead after `timeout` of silence."""
+        if not self.waiters:
+            return
+        since = max(self.last_seen, self.waiting_since or self.last_seen)
+        if now - since > timeout:
+            self._dead(f"P at {self.addr} silent for {now - since:.1f}s (heartbeat timeout)")
+            return
+        self.send_raw(encode(Heartbeat(sorted({tid for tid, _ in self.waiters}), lease_s)))
+
+    def _dead(self, reason: str) -> None:
+        request_ids = [rid for _, rid in self.waiters]
+        self.waiters.clear()
+        if request_ids:
+            self.on_dead(request_ids, reason)
+
+    async def _read(self) -> None:
+        while True:
+            data = await self.sock.recv()
+            self.last_seen = asyncio.get_running_loop().time()
+            try:
+                message = decode_response(data)
+            except MessageError as exc:
+                log.warning("malformed reply from %s ignored: %s", self.addr, exc)
+                continue
+            if isinstance(message, HeartbeatAck) or message.status == Status.CONTINUE:
+                continue
+            future = self.waiters.pop((message.transfer_id, message.d_request_id), None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    async def _watch(self, monitor: Any) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._dead(f"connection to P at {self.addr} closed")
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(0)
+        self.sock.close(0)
