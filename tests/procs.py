@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -43,7 +44,7 @@ class Proc:
         self.args = list(args)
         self.url = url
         self.log_path = f"/tmp/kvferry-test-{os.getpid()}-{time.monotonic_ns()}.log"
-        self.log = open(self.log_path, "wb")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "kvferry", *self.args],
             stdout=self.log,
@@ -80,7 +81,8 @@ class Proc:
             os.kill(self.pid, signal.SIGKILL)
             self.popen.wait(timeout=10)
         self.log.close()
-        os.unlink(self.log_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log_path)
 
 
 @contextmanager
@@ -97,3 +99,18 @@ def running(*procs: Proc, timeout: float = 30.0) -> Iterator[None]:
 def serve(port: int | None = None, *extra: str, env: dict[str, str] | None = None) -> Proc:
     port = port or free_port()
     return Proc(["serve", "--host", "127.0.0.1", "--port", str(port), *extra], f"http://127.0.0.1:{port}", env)
+
+
+@contextmanager
+def pd_system(p_tp: int = 1, d_tp: int = 1, p_args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
+              env: dict[str, str] | None = None, proxy_args: tuple[str, ...] = ()) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """proxy + P + D on free loopback ports, all stopped by pid on exit."""
+    common = ("--num-blocks", "1024", "--seed", "0")
+    p = serve(None, "--role", "prefill", "--tp", str(p_tp), "--bootstrap-port", str(free_port()), *common, *p_args,
+              env=env)
+    d = serve(None, "--role", "decode", "--tp", str(d_tp), *common, *d_args, env=env)
+    port = free_port()
+    proxy = Proc(["proxy", "--prefill", p.url, "--decode", d.url, "--port", str(port), *proxy_args],
+                 f"http://127.0.0.1:{port}")
+    with running(p, d, proxy):
+        yield p, d, proxy

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,7 @@ class Rig:
         return asyncio.run_coroutine_threadsafe(call(), self.consumer.loop).result(timeout=10)
 
 
+@contextmanager
 def make_rig(p_tp: int = 1, d_tp: int = 1, **config: Any) -> Iterator[Rig]:
     ctx: zmq.Context[Any] = zmq.Context()
     rng = np.random.default_rng(0)
@@ -144,7 +146,8 @@ def make_rig(p_tp: int = 1, d_tp: int = 1, **config: Any) -> Iterator[Rig]:
 
 @pytest.fixture()
 def rig() -> Iterator[Rig]:
-    yield from make_rig()
+    with make_rig() as r:
+        yield r
 
 
 D_BLOCKS = [5, 9, 2, 17]
@@ -206,7 +209,7 @@ def test_corrupted_block_fails_checksum_and_only_that_block(rig: Rig) -> None:
 
 
 def test_receive_timeout() -> None:
-    for rig in make_rig(recv_timeout_s=0.3):
+    with make_rig(recv_timeout_s=0.3) as rig:
         rig.pull("r", D_BLOCKS)
         rig.ranks[0].recv_pull()  # and never answer
         rig.wait_finished("r")
@@ -214,7 +217,7 @@ def test_receive_timeout() -> None:
 
 
 def test_deadline_bounds_the_whole_load() -> None:
-    for rig in make_rig(recv_timeout_s=30.0, kv_load_deadline_s=0.3):
+    with make_rig(recv_timeout_s=30.0, kv_load_deadline_s=0.3) as rig:
         rig.pull("r", D_BLOCKS)
         identity, pull = rig.ranks[0].recv_pull()
         rig.ranks[0].reply(identity, pull, Status.CONTINUE)  # alive, but never finishes
@@ -284,7 +287,7 @@ def test_release_only_pull_success_reports_nothing(rig: Rig) -> None:
 
 @pytest.mark.parametrize("ok_first", [True, False])
 def test_ok_from_one_p_rank_after_another_failed_never_completes(ok_first: bool) -> None:
-    for rig in make_rig(p_tp=2, d_tp=1):
+    with make_rig(p_tp=2, d_tp=1) as rig:
         rig.pull("r", D_BLOCKS)
         (id0, pull0), (id1, pull1) = rig.ranks[0].recv_pull(), rig.ranks[1].recv_pull()
         meta: PullMeta = rig.on_loop(lambda: rig.consumer._pulls["r"])
@@ -310,7 +313,7 @@ def test_ok_from_one_p_rank_after_another_failed_never_completes(ok_first: bool)
 
 
 def test_tp_mismatch_two_p_ranks_fill_one_d_rank() -> None:
-    for rig in make_rig(p_tp=2, d_tp=1):
+    with make_rig(p_tp=2, d_tp=1) as rig:
         rig.pull("r", D_BLOCKS)
         for p in rig.ranks:
             identity, pull = p.recv_pull()

@@ -4,36 +4,21 @@ colocated reference, for several tensor-parallel layouts; failures reach the cli
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from kvferry.engine.model import ModelConfig, TinyLlama
 from kvferry.engine.tokenizer import decode
-from procs import Proc, free_port, running, serve
+from procs import Proc, pd_system
 
-SEED = 0
+SEED = 0  # procs.pd_system starts every instance with --seed 0
 
 
 def prompts(n: int, max_len: int, rng_seed: int = 1) -> list[list[int]]:
     rng = random.Random(rng_seed)
     lengths = [1, 15, 16, 17, max_len] + [rng.randint(1, max_len) for _ in range(n - 5)]
     return [[rng.randrange(256) for _ in range(k)] for k in lengths[:n]]
-
-
-@contextmanager
-def pd_system(p_tp: int = 1, d_tp: int = 1, p_args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
-              env: dict[str, str] | None = None) -> Iterator[tuple[Proc, Proc, Proc]]:
-    common = ("--num-blocks", "1024", "--seed", str(SEED))
-    p = serve(None, "--role", "prefill", "--tp", str(p_tp), "--bootstrap-port", str(free_port()), *common, *p_args,
-              env=env)
-    d = serve(None, "--role", "decode", "--tp", str(d_tp), *common, *d_args, env=env)
-    port = free_port()
-    proxy = Proc(["proxy", "--prefill", p.url, "--decode", d.url, "--port", str(port)], f"http://127.0.0.1:{port}")
-    with running(p, d, proxy):
-        yield p, d, proxy
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 6) -> httpx.Response:

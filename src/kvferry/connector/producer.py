@@ -156,12 +156,16 @@ class Producer:
                 self._finish(t, expired=True)
 
     # ---- pull handling (rank threads) -------------------------------------------------------------
-    def plan_write(self, t: Transfer, pull: PullRequest, p_rank: int) -> tuple[list[WriteOp], list[int]]:
+    def plan_write(
+        self, t: Transfer, pull: PullRequest, p_rank: int, num_blocks: int | None = None
+    ) -> tuple[list[WriteOp], list[int]]:
+        """Ops for the first `num_blocks` blocks (default all), and the checksums of all of them."""
         assert t.block_ids is not None
         heads = overlap(self.layout.num_kv_heads, self.tp_size, p_rank, pull.d_tp_size, pull.d_tp_rank)
         assert heads is not None
         src = t.block_ids[: len(pull.block_ids)]
-        ops = write_ops(self.layout, src, pull.block_ids, heads, pull.d_num_blocks)
+        n = len(src) if num_blocks is None else num_blocks
+        ops = write_ops(self.layout, src[:n], pull.block_ids[:n], heads, pull.d_num_blocks)
         checksums = [self.layout.checksum(b, heads) for b in src] if pull.want_checksums else []
         return ops, checksums
 
@@ -298,6 +302,10 @@ class _RankLoop(threading.Thread):
         if fault == "error_reply":
             self.reply(identity, self._response(pull, Status.ERROR, err_msg="injected error reply", injected=True))
             return
+        if fault == "err_reqs":
+            msg = "injected: P lists the request as failed"
+            self.reply(identity, self._response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=msg, injected=True))
+            return
         with self.p._lock:
             t = self.p._transfers.get(pull.transfer_id)
             if t is None:
@@ -329,7 +337,9 @@ class _RankLoop(threading.Thread):
                 self.p._finish(t)
                 self.reply(identity, self._response(pull, Status.ERROR, err_msg="P num blocks less than D"))
                 return
-            ops, checksums = self.p.plan_write(t, pull, self.rank)
+            # The injected `transport` fault breaks the data plane after half of the blocks.
+            upto = len(pull.block_ids) // 2 if fault == "transport" else None
+            ops, checksums = self.p.plan_write(t, pull, self.rank, upto)
             t.inflight += 1
         self.reply(identity, self._response(pull, Status.CONTINUE))
         self.p._pool.submit(self._serve, identity, pull, ops, checksums, fault)
@@ -366,7 +376,7 @@ class _RankLoop(threading.Thread):
             if self.p.faults.slow_ms:
                 time.sleep(self.p.faults.slow_ms / 1000)
             if fault == "transport":
-                self.engine.write(pull.d_transfer_addr, pull.grant_token, ops[: len(ops) // 2], deadline)
+                self.engine.write(pull.d_transfer_addr, pull.grant_token, ops, deadline)
                 raise TransferError(TransferErrorCause.RESET, "injected: data plane broke after part of the blocks")
             self.engine.write(pull.d_transfer_addr, pull.grant_token, ops, deadline)
             if fault == "corrupt":

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from kvferry.serving.api_server import install_error_handlers
 from kvferry.serving.protocol import error_body
 
+TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
+ATTEMPTS_HEADER = "x-kvferry-attempts"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
@@ -71,7 +73,11 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: in
         for attempt in range(retries + 1):
             target = prefills[next(next_p)]
             decode_url = decodes[next(next_d)]
-            response, retryable = await _one_attempt(client, target, decode_url, body, stream)
+            transfer_id = f"xfer-{uuid.uuid4()}"
+            response, retryable = await _one_attempt(client, target, decode_url, body, stream, transfer_id)
+            # Lets a client (or `kvferry chaos`) match the answer with the fault function's prediction.
+            response.headers[TRANSFER_ID_HEADER] = transfer_id
+            response.headers[ATTEMPTS_HEADER] = str(attempt + 1)
             if not retryable or attempt == retries:
                 metrics.requests.labels(outcome=str(response.status_code)).inc()
                 return response
@@ -86,7 +92,12 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: in
 
 
 async def _one_attempt(
-    client: httpx.AsyncClient, target: PrefillTarget, decode_url: str, body: dict[str, Any], stream: bool
+    client: httpx.AsyncClient,
+    target: PrefillTarget,
+    decode_url: str,
+    body: dict[str, Any],
+    stream: bool,
+    transfer_id: str,
 ) -> tuple[Response, bool]:
     """(response, retryable): a KV-load failure before any token reached the client may be retried."""
     if not target.engine_id:
@@ -94,7 +105,6 @@ async def _one_attempt(
             await target.refresh(client)
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             return JSONResponse(error_body(f"prefill {target.url} unavailable: {exc!r}", "proxy_error", 502), 502), True
-    transfer_id = f"xfer-{uuid.uuid4()}"
     p_body = {**body, "max_tokens": 1, "stream": False,
               "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
     d_body = {**body, "kv_transfer_params": {
