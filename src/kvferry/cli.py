@@ -30,6 +30,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""))
     p.add_argument("--abort-timeout", type=float, default=30.0)
     p.add_argument("--kv-load-deadline", type=float, default=60.0)
+    p.add_argument("--heartbeat-interval", type=float, default=0.25, help="D → P liveness ping period (s)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5, help="P silent this long = dead; 0 = off")
+    p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
     p.add_argument("--engine-id", default=None)
     p.add_argument("--log-level", default="warning")
 
@@ -87,6 +90,9 @@ def serve(args: argparse.Namespace) -> int:
             kv_load_deadline_s=args.kv_load_deadline,
             transfer=args.transfer,
             faults=faults,
+            checksums=not args.no_checksums,
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
         )
         scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)
         worker_connector = PDConnector(ConnectorRole.WORKER, pd_config, metrics)
@@ -123,6 +129,11 @@ def bench(args: argparse.Namespace) -> int:
         from kvferry.bench import scheduler as bench_scheduler
 
         bench_scheduler.run(args.json_path, quick=args.quick)
+        return 0
+    if args.which == "failover":
+        from kvferry.bench import failover as bench_failover
+
+        bench_failover.run(args.json_path, quick=args.quick)
         return 0
     if args.which == "transfer":
         from kvferry.bench import transfer as bench_transfer

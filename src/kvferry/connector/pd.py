@@ -42,6 +42,8 @@ class PDConfig:
     transfer: str = "tcp"
     checksums: bool = True
     faults: FaultSpec = field(default_factory=FaultSpec)
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.5  # 0: no heartbeats and no connection watch (timeouts only)
 
     @property
     def recv_timeout_s(self) -> float:
@@ -174,6 +176,8 @@ class PDConnector(KVConnector):
                 self.config.kv_load_deadline_s,
                 self.config.checksums,
                 self.config.faults,
+                self.config.heartbeat_interval_s,
+                self.config.heartbeat_timeout_s,
             )
             self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics)
             return
