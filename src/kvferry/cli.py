@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_proxy(sub)
+    from kvferry import demo
+
+    demo.add_arguments(sub.add_parser("demo", help="run P, D and the proxy with faults; report; exit 0 if clean"))
     _add_bench(sub)
     return parser
 
@@ -150,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "proxy":
         return proxy(args)
+    if args.command == "demo":
+        from kvferry import demo
+
+        return demo.run(args)
     if args.command == "bench":
         return bench(args)
     return 2

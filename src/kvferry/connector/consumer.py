@@ -299,8 +299,8 @@ class Consumer:
                 self._succeed(pull, resp)
 
     def _succeed(self, pull: PullMeta, resp: PullResponse) -> None:
-        self._end(pull)
-        elapsed = time.monotonic() - pull.started
+        # Both clocks are time.monotonic() (asyncio's loop.time() is too).
+        elapsed = time.monotonic() - self._end(pull)
         nbytes = len(pull.block_ids) * self.layout.block_bytes
         self.metrics.kv_transfers.inc()
         self.metrics.kv_transfer_bytes.inc(nbytes)
@@ -361,18 +361,21 @@ class Consumer:
             task.written = self.engines[task.d_rank].close_grant(task.grant)
             task.grant = None
 
-    def _end(self, pull: PullMeta) -> None:
-        """The pull is over (success, failure or abort): no byte may land after this."""
+    def _end(self, pull: PullMeta) -> float:
+        """The pull is over (success, failure or abort): no byte may land after this. Returns when P
+        started writing (the earliest rank), or when the pull started if no rank did."""
         self._pulls.pop(pull.request_id, None)
+        writing_since = []
         for task in pull.tasks:
             self._close_grant(task)
             if task.future is not None and not task.future.done():
                 task.future.cancel()
             dealer = self._dealers.get((task.d_rank, task.control_addr))
-            if dealer is not None:
-                dealer.forget((pull.spec.transfer_id, pull.request_id))
+            if dealer is not None and (since := dealer.forget((pull.spec.transfer_id, pull.request_id))) is not None:
+                writing_since.append(since)
         if pull.coroutine is not None and pull.coroutine is not asyncio.current_task():
             pull.coroutine.cancel()
+        return min(writing_since, default=pull.started)
 
     def _release_remote(self, pull: PullMeta) -> None:
         """Tell P it may free the transfer's blocks now rather than at its timeout."""

@@ -40,6 +40,8 @@ class Dealer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
         self.waiters: dict[WaiterKey, asyncio.Future[PullResponse]] = {}
+        # When P started writing each pull (its CONTINUE): transfer time excludes waiting for prefill.
+        self.writing_since: dict[WaiterKey, float] = {}
         loop = asyncio.get_running_loop()
         self.last_seen = loop.time()
         self.waiting_since: float | None = None
@@ -62,8 +64,10 @@ class Dealer:
         except zmq.ZMQError as exc:
             log.warning("control message to %s dropped: %s", self.addr, exc)
 
-    def forget(self, key: WaiterKey) -> None:
+    def forget(self, key: WaiterKey) -> float | None:
+        """Stop waiting for `key`; returns when P started writing it, if it did."""
         self.waiters.pop(key, None)
+        return self.writing_since.pop(key, None)
 
     def heartbeat(self, now: float, timeout: float, lease_s: float) -> None:
         """Ping P for the pulls waiting on it; declare it dead after `timeout` of silence."""
@@ -78,6 +82,7 @@ class Dealer:
     def _dead(self, reason: str) -> None:
         request_ids = [rid for _, rid in self.waiters]
         self.waiters.clear()
+        self.writing_since.clear()
         if request_ids:
             self.on_dead(request_ids, reason)
 
@@ -90,9 +95,14 @@ class Dealer:
             except MessageError as exc:
                 log.warning("malformed reply from %s ignored: %s", self.addr, exc)
                 continue
-            if isinstance(message, HeartbeatAck) or message.status == Status.CONTINUE:
+            if isinstance(message, HeartbeatAck):
                 continue
-            future = self.waiters.pop((message.transfer_id, message.d_request_id), None)
+            key = (message.transfer_id, message.d_request_id)
+            if message.status == Status.CONTINUE:
+                if key in self.waiters:
+                    self.writing_since.setdefault(key, self.last_seen)
+                continue
+            future = self.waiters.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(message)
 

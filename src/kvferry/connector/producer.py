@@ -55,6 +55,7 @@ class Transfer:
     dead: str | None = None  # the P request ended without KV (aborted, error)
     pulled: bool = False
     inflight: int = 0  # writes reading these blocks right now: never free under them
+    abandoned: bool = False  # D released it (or gave up) before it was ready: free on arrival
     served: set[tuple[int, int]] = field(default_factory=set)  # (p_rank, d_rank) pairs done
 
     @property
@@ -102,6 +103,8 @@ class Producer:
                 t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
             t.request_id, t.block_ids, t.num_tokens = request_id, block_ids, num_tokens
             t.expires = time.monotonic() + self.abort_timeout_s
+            if t.abandoned:  # D gave up before the prefill finished: nobody will pull
+                self._finish(t)
         self._wake_all()
 
     def add_dead(self, transfer_id: str) -> None:
@@ -149,6 +152,16 @@ class Producer:
             for d in d_ranks_for(self.layout.num_kv_heads, self.tp_size, p, d_tp)
         ):
             self._finish(t)
+
+    def _abandon(self, transfer_id: str, now: float) -> None:
+        """Remember that D gave up on a transfer whose prefill is not done, so its blocks are freed
+        the moment it finishes instead of at the abort timeout."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            if len(self._transfers) >= MAX_PLACEHOLDERS:
+                return
+            t = self._transfers[transfer_id] = Transfer(transfer_id, now + self.abort_timeout_s)
+        t.abandoned = True
 
     def expire(self, now: float) -> None:
         with self._lock:
@@ -201,11 +214,11 @@ class _RankLoop(threading.Thread):
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)  # pyzmq reports plain sockets by fd
         try:
             while not self.p._stop.is_set():
                 events = dict(poller.poll(50))
-                if self._wake_r in events:
+                if self._wake_r.fileno() in events:
                     with contextlib.suppress(BlockingIOError):
                         while self._wake_r.recv(4096):
                             pass
@@ -271,11 +284,14 @@ class _RankLoop(threading.Thread):
         return HeartbeatAck(unknown)
 
     def _release(self, release: Release) -> None:
+        now = time.monotonic()
         with self.p._lock:
             for tid in release.transfer_ids:
                 t = self.p._transfers.get(tid)
-                if t is not None:
+                if t is not None and (t.ready or t.dead):
                     self.p._finish(t)
+                else:
+                    self.p._abandon(tid, now)
 
     def _invalid(self, pull: PullRequest) -> str | None:
         spec = self.p.layout
@@ -360,10 +376,10 @@ class _RankLoop(threading.Thread):
             elif now >= deadline:
                 self.reply(identity, self._response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=NOT_READY_MSG))
                 with self.p._lock:
-                    if t is not None and not t.ready:
-                        self.p._transfers.pop(pull.transfer_id, None)
-                    elif t is not None:
+                    if t is not None and t.ready:
                         self.p._finish(t, expired=True)
+                    else:
+                        self.p._abandon(pull.transfer_id, now)
             else:
                 still.append((identity, pull, deadline))
         self._parked.extend(still)

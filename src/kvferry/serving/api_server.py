@@ -200,6 +200,7 @@ async def _stream(
         data: dict[str, Any] = completion_body(
             request_id, model, text, out.finish_reason if out.finished else None, out.num_prompt_tokens,
             out.num_output_tokens, out.kv_transfer_params if out.finished else None,
+            {"kvferry": {"recomputed_tokens": out.num_recomputed_tokens}} if out.finished else None,
         )
         return f"data: {json.dumps(data)}\n\n"
 
