@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvferry import demo
 
     demo.add_arguments(sub.add_parser("demo", help="run P, D and the proxy with faults; report; exit 0 if clean"))
+    from kvferry import chaos
+
+    chaos.add_arguments(sub.add_parser("chaos", help="faults of every kind + kill/freeze P; exit 0 if clean"))
     _add_bench(sub)
     return parser
 
@@ -153,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "proxy":
         return proxy(args)
+    if args.command == "chaos":
+        from kvferry import chaos
+
+        return chaos.run(args)
     if args.command == "demo":
         from kvferry import demo
 

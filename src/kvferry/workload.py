@@ -291,6 +291,7 @@ class RequestResult:
     error_type: str | None = None
     error_code: str | None = None
     error_message: str | None = None
+    transfer_id: str | None = None  # the proxy's x-kvferry-transfer-id (its last attempt)
 
     @property
     def ttft(self) -> float | None:
@@ -340,6 +341,7 @@ async def run_request(
         async with asyncio.timeout(timeout):
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
                 result.http_status = response.status_code
+                result.transfer_id = response.headers.get("x-kvferry-transfer-id")
                 if response.status_code != 200:
                     content = await response.aread()
                     result.error_type, result.error_code, result.error_message = _error_fields(content)

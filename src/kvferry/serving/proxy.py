@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from kvferry.serving.api_server import install_error_handlers
 from kvferry.serving.protocol import error_body
 
+RETRY_BACKOFF_S = 0.25
 TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
 ATTEMPTS_HEADER = "x-kvferry-attempts"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
@@ -82,6 +83,8 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: in
                 metrics.requests.labels(outcome=str(response.status_code)).inc()
                 return response
             metrics.requests.labels(outcome="retried").inc()
+            if response.status_code == 502:  # an instance is unreachable: give it a moment to come back
+                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2**attempt))
         raise AssertionError("unreachable")
 
     @app.on_event("shutdown")

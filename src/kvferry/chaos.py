@@ -1,0 +1,234 @@
+"""`kvferry chaos`: 1P1D + proxy under faults of every kind plus `kill -9` and SIGSTOP/SIGCONT of P at
+random moments (P restarted after a kill); then a verdict on stuck requests, leaked blocks, output
+mismatches, and (under `fail`) whether exactly the predicted requests failed with the predicted cause.
+
+The fault function is pure in (seed, name, transfer_id) and the proxy reports each request's
+transfer_id, so every outcome is predicted. Requests in flight while P was killed or frozen may also
+fail (peer_dead, or the proxy's 502 when P died mid-prefill): they are reported as "hit by P chaos".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvferry.connector.faults import FAULT_NAMES, FaultSpec
+from kvferry.workload import (
+    ManagedProcess,
+    PDSystem,
+    PDSystemConfig,
+    ReferenceWorker,
+    RequestResult,
+    make_workload,
+    new_results,
+    run_workload,
+    wait_all_healthy,
+    wait_drained,
+)
+
+ABORT_TIMEOUT_S = 2.0  # P's "not ready" answer; D's receive timeout is this + 5 s
+FREEZE_S = 2.5  # longer than D's heartbeat timeout
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--fault-rate", type=float, default=0.2, help="share of transfers that get a fault")
+    parser.add_argument("--policy", choices=["fail", "recompute"], default="recompute")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-prompt", type=int, default=600)
+    parser.add_argument("--chaos-every", type=float, default=12.0, help="mean seconds between P kills/freezes")
+    parser.add_argument("--no-process-chaos", action="store_true", help="only injected faults, no kill/stop")
+    parser.add_argument("--json", dest="json_path", default=None)
+
+
+def fault_spec(rate: float, seed: int) -> FaultSpec:
+    """Every fault kind with the same probability, together firing for about `rate` of the transfers."""
+    per_kind = 1.0 - (1.0 - rate) ** (1.0 / len(FAULT_NAMES)) if rate > 0 else 0.0
+    return FaultSpec({name: round(per_kind, 6) for name in FAULT_NAMES}, seed)
+
+
+@dataclass
+class ChaosEvent:
+    kind: str  # "kill" | "stop"
+    start: float  # seconds since t0
+    end: float = 0.0  # P usable again
+
+
+@dataclass
+class Verdict:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failed_by_cause: Counter[str] = field(default_factory=Counter)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: int = 0
+    hit_by_chaos: int = 0
+
+
+class _PChaos(threading.Thread):
+    """Kills or freezes P at random moments until stopped, restarting it after a kill."""
+
+    def __init__(self, system: PDSystem, mean_gap: float, seed: int, t0: float) -> None:
+        super().__init__(name="kvferry-chaos", daemon=True)
+        self.system, self.mean_gap, self.rng, self.t0 = system, mean_gap, random.Random(seed), t0
+        self.events: list[ChaosEvent] = []
+        self.halt = threading.Event()
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.halt.wait(self.rng.uniform(0.5, 1.5) * self.mean_gap):
+                self._one(self.rng.choice(["kill", "stop"]))
+        except Exception as exc:  # reported in the verdict; the run itself goes on
+            self.error = repr(exc)
+
+    def _one(self, kind: str) -> None:
+        p = self.system.prefill
+        assert p is not None
+        event = ChaosEvent(kind, time.monotonic() - self.t0)
+        self.events.append(event)
+        if kind == "kill":
+            os.kill(p.pid, signal.SIGKILL)
+            p.stop(keep_log=False)
+            fresh = ManagedProcess("prefill", p.args, p.url)
+            self.system.procs[self.system.procs.index(p)] = fresh
+            self.system.prefill = fresh
+            wait_all_healthy([fresh], 60)
+        else:
+            os.kill(p.pid, signal.SIGSTOP)
+            time.sleep(FREEZE_S)
+            os.kill(p.pid, signal.SIGCONT)
+        event.end = time.monotonic() - self.t0
+
+
+def _hit(result: RequestResult, events: list[ChaosEvent]) -> bool:
+    if result.sent_at is None or result.finished_at is None:
+        return False
+    return any(result.sent_at <= e.end + 0.5 and e.start <= result.finished_at for e in events)
+
+
+def judge(
+    results: list[RequestResult], references: dict[int, str], spec: FaultSpec, policy: str, events: list[ChaosEvent]
+) -> Verdict:
+    v = Verdict()
+    for r in results:
+        v.outcomes[r.outcome] += 1
+        if r.outcome == "failed" and r.error_code:
+            v.failed_by_cause[r.error_code] += 1
+        if r.outcome == "ok" and references.get(r.index) is not None and r.text != references[r.index]:
+            v.mismatched += 1
+        hit = _hit(r, events)
+        v.hit_by_chaos += hit
+        if r.outcome == "stuck" or hit:
+            continue  # stuck is counted on its own; chaos-hit requests may fail either way
+        expected = spec.expected_cause(r.transfer_id) if (r.transfer_id and policy == "fail") else None
+        if expected is None and r.outcome != "ok":
+            v.unexpected.append(f"#{r.index} {r.outcome} {r.error_code}: {r.error_message}")
+        elif expected is not None and (r.outcome != "failed" or r.error_code != expected):
+            v.unexpected.append(f"#{r.index} predicted {expected}, got {r.outcome} {r.error_code}")
+    return v
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    spec = fault_spec(args.fault_rate, args.seed)
+    # Under recompute the proxy rides out P's restarts (502s back off up to ~2 s each).
+    retries = "6" if args.policy == "recompute" else "0"
+    config = PDSystemConfig(
+        seed=args.seed,
+        policy=args.policy,
+        faults=spec.to_spec(),
+        num_blocks=4096,
+        abort_timeout=ABORT_TIMEOUT_S,
+        kv_load_deadline=30.0,
+        proxy_args=("--retries", retries),
+    )
+    items = make_workload(args.requests, args.seed, max_prompt=args.max_prompt, max_tokens=(4, 8), long_share=0.1)
+    results = new_results(items)
+    reference = ReferenceWorker(args.seed, 1)
+    reference.submit(items)
+    system = PDSystem(config)
+    chaos: _PChaos | None = None
+    started = time.monotonic()
+    try:
+        system.start()
+        console.print(f"kvferry chaos: {args.requests} requests, policy {args.policy}, faults {spec.to_spec()}")
+        t0 = time.monotonic()
+        if not args.no_process_chaos:
+            chaos = _PChaos(system, args.chaos_every, args.seed, t0)
+            chaos.start()
+        assert system.proxy is not None
+        asyncio.run(run_workload(system.proxy.url, items, results, t0, args.concurrency, timeout=120.0))
+        if chaos is not None:
+            chaos.halt.set()
+            chaos.join(timeout=60)
+        urls = [p.url for p in (system.prefill, system.decode) if p is not None]
+        states = wait_drained(urls, ABORT_TIMEOUT_S + 15)
+        reference.wait(600)
+    finally:
+        if chaos is not None:
+            chaos.halt.set()
+        system.stop()
+        reference.stop()
+    events = chaos.events if chaos is not None else []
+    verdict = judge(results, reference.results, spec, args.policy, events)
+    leaked = {
+        side: (None if s is None else int(s["blocks_total"] - s["blocks_free"]))
+        for side, s in zip(("P", "D"), states, strict=True)
+    }
+    missing_refs = sum(1 for r in results if r.outcome == "ok" and r.index not in reference.results)
+    report: dict[str, Any] = {
+        "requests": args.requests,
+        "policy": args.policy,
+        "faults": spec.to_spec(),
+        "outcomes": dict(verdict.outcomes),
+        "failed_by_cause": dict(verdict.failed_by_cause),
+        "predicted_faults": dict(Counter(spec.fault_for(r.transfer_id) or "none" for r in results if r.transfer_id)),
+        "p_chaos_events": [e.__dict__ for e in events],
+        "hit_by_p_chaos": verdict.hit_by_chaos,
+        "stuck": verdict.outcomes.get("stuck", 0),
+        "leaked_blocks": leaked,
+        "mismatched": verdict.mismatched,
+        "unchecked_outputs": missing_refs,
+        "errors": dict(Counter(f"{r.http_status} {r.error_message or ''}"[:120] for r in results if r.outcome == "error")),
+        "unexpected": verdict.unexpected[:50],
+        "num_unexpected": len(verdict.unexpected),
+        "chaos_error": chaos.error if chaos is not None else None,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    ok = (
+        report["stuck"] == 0
+        and all(v == 0 for v in leaked.values())
+        and verdict.mismatched == 0
+        and missing_refs == 0
+        and not verdict.unexpected
+        and report["chaos_error"] is None
+    )
+    report["verdict"] = "PASS" if ok else "FAIL"
+    _print(console, report)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if ok else 1
+
+
+def _print(console: Console, report: dict[str, Any]) -> None:
+    table = Table(title="kvferry chaos: report", show_header=False)
+    for key in ("requests", "policy", "outcomes", "failed_by_cause", "predicted_faults", "hit_by_p_chaos",
+                "stuck", "leaked_blocks", "mismatched", "num_unexpected", "wall_s", "verdict"):
+        table.add_row(key, json.dumps(report[key]) if isinstance(report[key], dict) else str(report[key]))
+    table.add_row("P kills / freezes", ", ".join(f"{e['kind']}@{e['start']:.1f}s" for e in report["p_chaos_events"]) or "-")
+    console.print(table)
+    for line in report["unexpected"][:10]:
+        console.print(f"[red]unexpected[/red] {line}")
