@@ -17,23 +17,28 @@ from kvferry.engine.engine import Engine, EngineConfig
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run one instance (prefill, decode, or both colocated)")
-    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                   help="prefill: computes KV and serves pulls; decode: pulls KV; both: colocated, no transfer")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of every listener (HTTP, ZMQ, data plane)")
+    p.add_argument("--port", type=int, default=8100, help="HTTP API port")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (KV heads sharded over them)")
-    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
-    p.add_argument("--num-blocks", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail",
+                   help="decode side: a failed KV load ends the request with HTTP 500, or recomputes lost blocks")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (64 KiB each by default)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (P and D must agree)")
     p.add_argument("--seed", type=int, default=0, help="model weights seed (P, D and reference must agree)")
-    p.add_argument("--bootstrap-port", type=int, default=8998)
-    p.add_argument("--transfer", choices=["tcp", "mooncake"], default="tcp")
-    p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""))
-    p.add_argument("--abort-timeout", type=float, default=30.0)
-    p.add_argument("--kv-load-deadline", type=float, default=60.0)
+    p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: HTTP port of the bootstrap server")
+    p.add_argument("--transfer", choices=["tcp", "mooncake"], default="tcp", help="data-plane backend")
+    p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""),
+                   help="fault injection, e.g. 'transport=0.1,corrupt=0.05,seed=1' (env KVFERRY_FAULTS)")
+    p.add_argument("--abort-timeout", type=float, default=30.0,
+                   help="prefill: how long a pull waits for an unfinished prefill, and unpulled blocks are kept (s)")
+    p.add_argument("--kv-load-deadline", type=float, default=60.0,
+                   help="decode: no request waits for remote KV longer than this (s)")
     p.add_argument("--heartbeat-interval", type=float, default=0.25, help="D → P liveness ping period (s)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.5, help="P silent this long = dead; 0 = off")
     p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
-    p.add_argument("--engine-id", default=None)
+    p.add_argument("--engine-id", default=None, help="default: <role>-<host>:<port>")
     p.add_argument("--log-level", default="warning")
 
 

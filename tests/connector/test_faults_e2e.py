@@ -107,9 +107,11 @@ def send_in_background(url: str, ids: list[int]) -> tuple[threading.Thread, list
     return thread, out
 
 
-def waiting_for_kv(d: Proc) -> bool:
-    state = httpx.get(f"{d.url}/debug/state", timeout=5).json()
-    return bool(state["requests_by_status"].get("WAITING_FOR_REMOTE_KVS"))
+def in_transfer(p: Proc, d: Proc) -> bool:
+    """P finished the prefill and holds the blocks (its HTTP answer is out); D waits for them."""
+    d_state = httpx.get(f"{d.url}/debug/state", timeout=5).json()
+    p_state = httpx.get(f"{p.url}/debug/state", timeout=5).json()
+    return bool(d_state["requests_by_status"].get("WAITING_FOR_REMOTE_KVS")) and bool(p_state["pending_sends"])
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
@@ -127,7 +129,7 @@ def test_dead_or_hung_prefill_is_noticed_and_a_restarted_one_works(how: str) -> 
     try:
         with running(p, d, proxy):
             thread, out = send_in_background(proxy.url, prompt(50, 2))
-            wait_until(lambda: waiting_for_kv(d), 20, "D waiting for remote KV")
+            wait_until(lambda: in_transfer(p, d), 20, "a transfer in flight")
             os.kill(p.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             thread.join(timeout=20)
             assert out and out[0].status_code == 500, out
