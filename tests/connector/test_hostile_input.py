@@ -83,8 +83,8 @@ class Rig:
 
     def wait_no_transfers(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.producer._transfers:
-            assert time.monotonic() < deadline, f"transfers leaked: {list(self.producer._transfers)}"
+        while len(self.producer.table):
+            assert time.monotonic() < deadline, f"transfers leaked: {self.producer.table.ids()}"
             time.sleep(0.01)
 
     def close(self) -> None:

@@ -45,3 +45,15 @@ def test_outputs_match_colocated_reference(p_tp: int, d_tp: int) -> None:
             expected = decode(model.generate_greedy(prompt, 6, stop_at_eos=False))
             assert r.json()["choices"][0]["text"] == expected
         assert_clean(p, d)
+
+
+def test_sequential_proxy_hands_p_params_to_d() -> None:
+    """The proxy mode for prefill instances that do not announce a bootstrap (vLLM): P first, then D
+    with the kv_transfer_params of P's answer."""
+    model = TinyLlama(ModelConfig(seed=SEED))
+    with pd_system(proxy_args=("--sequential",)) as (p, d, proxy):
+        for prompt in prompts(4, 300, rng_seed=9):
+            r = complete(proxy.url, prompt)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == decode(model.generate_greedy(prompt, 6, stop_at_eos=False))
+        assert_clean(p, d)

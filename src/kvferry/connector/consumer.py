@@ -10,6 +10,7 @@ scheduler state: it only fills the outbox that the engine thread drains once per
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -278,7 +279,7 @@ class Consumer:
             self._handle_failed_recv([pull], cause, f"P rank {task.p_rank}: {resp.err_msg}")
         elif pull.request_id in resp.err_reqs:
             self._handle_failed_recv([pull], "err_reqs", f"P rank {task.p_rank}: {resp.err_msg}")
-        elif pull.request_id not in resp.ok_reqs:
+        elif pull.request_id not in resp.ok_reqs and pull.block_ids:
             self._handle_failed_recv(
                 [pull], "error_reply", f"P rank {task.p_rank} finished without this request"
             )
@@ -389,7 +390,10 @@ class Consumer:
                 continue
             pull.failed = True
             self._end(pull)
-            self._release_remote(pull)
+            if pull.tasks:
+                self._release_remote(pull)
+            elif pull.block_ids:  # aborted before P was asked: a release-only pull frees P's blocks
+                self._start(dataclasses.replace(pull.spec, block_ids=[]))
             if pull.block_ids:
                 self.outbox.report(request_id)
 

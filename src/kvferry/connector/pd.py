@@ -208,7 +208,9 @@ class PDConnector(KVConnector):
                 self.producer.add_dead(transfer_id)
         if self.consumer is not None:
             self.consumer.start_pulls(metadata.to_pull)
-            self.consumer.abort(metadata.finished_req_ids)
+            # A request that ended before admission shows up here too, with its release-only pull.
+            releasing = {p.request_id for p in metadata.to_pull if not p.block_ids}
+            self.consumer.abort(metadata.finished_req_ids - releasing)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         if self.producer is not None:

@@ -16,7 +16,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -36,31 +35,12 @@ from kvferry.connector.messages import (
     encode,
 )
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.transfers import NOT_READY_MSG, Transfer, TransferTable
 from kvferry.transfer.base import TransferEngine, TransferError, TransferErrorCause, WriteOp
 
 log = logging.getLogger(__name__)
 
-NOT_READY_MSG = "Timeout waiting for P side ready."
-MAX_PLACEHOLDERS = 100_000  # pulls for unknown transfers we are willing to park
 SCRATCH_REGION = "scratch"  # source of the bytes the `corrupt` fault writes
-
-
-@dataclass
-class Transfer:
-    transfer_id: str
-    expires: float  # blocks (or a placeholder) are dropped after this
-    request_id: str | None = None
-    block_ids: list[int] | None = None  # set once the prefill is done
-    num_tokens: int = 0
-    dead: str | None = None  # the P request ended without KV (aborted, error)
-    pulled: bool = False
-    inflight: int = 0  # writes reading these blocks right now: never free under them
-    abandoned: bool = False  # D released it (or gave up) before it was ready: free on arrival
-    served: set[tuple[int, int]] = field(default_factory=set)  # (p_rank, d_rank) pairs done
-
-    @property
-    def ready(self) -> bool:
-        return self.block_ids is not None
 
 
 class Producer:
@@ -84,9 +64,7 @@ class Producer:
             for name, buffer in layout.regions().items():
                 engine.register(name, buffer)
             engine.register(SCRATCH_REGION, self._scratch)
-        self._lock = threading.Lock()
-        self._transfers: dict[str, Transfer] = {}
-        self._finished: set[str] = set()
+        self.table = TransferTable(abort_timeout_s, metrics, self._pairs)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-send")
@@ -97,31 +75,19 @@ class Producer:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int) -> None:
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            if t is None:
-                t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
-            t.request_id, t.block_ids, t.num_tokens = request_id, block_ids, num_tokens
-            t.expires = time.monotonic() + self.abort_timeout_s
-            if t.abandoned:  # D gave up before the prefill finished: nobody will pull
-                self._finish(t)
+        self.table.add_ready(transfer_id, request_id, block_ids, num_tokens, time.monotonic())
         self._wake_all()
 
     def add_dead(self, transfer_id: str) -> None:
         """The P request ended without KV: answer any pull for it with ERROR."""
-        with self._lock:
-            t = self._transfers.setdefault(transfer_id, Transfer(transfer_id, time.monotonic() + self.abort_timeout_s))
-            t.dead = "prefill request ended without KV (aborted or failed)"
+        self.table.add_dead(transfer_id, time.monotonic())
         self._wake_all()
 
     def drain_finished(self) -> set[str]:
-        with self._lock:
-            finished, self._finished = self._finished, set()
-        return finished
+        return self.table.drain_finished()
 
     def pending_sends(self) -> int:
-        with self._lock:
-            return sum(1 for t in self._transfers.values() if t.ready)
+        return self.table.pending_sends()
 
     def close(self) -> None:
         self._stop.set()
@@ -135,38 +101,10 @@ class Producer:
         for r in self._ranks:
             r.wake()
 
-    # ---- shared bookkeeping (any rank thread, under the lock) -------------------------------------
-    def _finish(self, t: Transfer, expired: bool = False) -> None:
-        self._transfers.pop(t.transfer_id, None)
-        if t.request_id is not None:
-            self._finished.add(t.request_id)
-        if expired and t.ready:
-            self.metrics.kv_leases_expired.inc()
-            log.warning("transfer %s expired: its blocks were never (fully) pulled", t.transfer_id)
-
-    def _mark_served(self, t: Transfer, d_tp: int) -> None:
-        """Finish the transfer once every (P rank, D rank) pair that shares heads was served."""
-        if all(
-            (p, d) in t.served
-            for p in range(self.tp_size)
-            for d in d_ranks_for(self.layout.num_kv_heads, self.tp_size, p, d_tp)
-        ):
-            self._finish(t)
-
-    def _abandon(self, transfer_id: str, now: float) -> None:
-        """Remember that D gave up on a transfer whose prefill is not done, so its blocks are freed
-        the moment it finishes instead of at the abort timeout."""
-        t = self._transfers.get(transfer_id)
-        if t is None:
-            if len(self._transfers) >= MAX_PLACEHOLDERS:
-                return
-            t = self._transfers[transfer_id] = Transfer(transfer_id, now + self.abort_timeout_s)
-        t.abandoned = True
-
-    def expire(self, now: float) -> None:
-        with self._lock:
-            for t in [t for t in self._transfers.values() if t.expires <= now and not t.inflight]:
-                self._finish(t, expired=True)
+    def _pairs(self, d_tp: int) -> set[tuple[int, int]]:
+        """(P rank, D rank) pairs that share heads: a transfer is done when each was served."""
+        heads = self.layout.num_kv_heads
+        return {(p, d) for p in range(self.tp_size) for d in d_ranks_for(heads, self.tp_size, p, d_tp)}
 
     # ---- pull handling (rank threads) -------------------------------------------------------------
     def plan_write(
@@ -229,7 +167,7 @@ class _RankLoop(threading.Thread):
                     identity, message = self._outbox.popleft()
                     self.sock.send_multipart([identity, encode(message)], zmq.NOBLOCK)
                 if self.rank == 0:
-                    self.p.expire(time.monotonic())
+                    self.p.table.expire(time.monotonic())
         except zmq.ZMQError as exc:
             if not self.p._stop.is_set():
                 log.exception("producer rank %d loop died: %s", self.rank, exc)
@@ -272,26 +210,10 @@ class _RankLoop(threading.Thread):
             self._on_pull(identity, message, time.monotonic())
 
     def _heartbeat(self, hb: Heartbeat) -> HeartbeatAck:
-        now = time.monotonic()
-        unknown = []
-        with self.p._lock:
-            for tid in hb.transfer_ids:
-                t = self.p._transfers.get(tid)
-                if t is None:
-                    unknown.append(tid)
-                elif t.ready:
-                    t.expires = max(t.expires, now + (hb.lease_s or self.p.abort_timeout_s))
-        return HeartbeatAck(unknown)
+        return HeartbeatAck(self.p.table.renew(hb.transfer_ids, hb.lease_s, time.monotonic()))
 
     def _release(self, release: Release) -> None:
-        now = time.monotonic()
-        with self.p._lock:
-            for tid in release.transfer_ids:
-                t = self.p._transfers.get(tid)
-                if t is not None and (t.ready or t.dead):
-                    self.p._finish(t)
-                else:
-                    self.p._abandon(tid, now)
+        self.p.table.release(release.transfer_ids, time.monotonic())
 
     def _invalid(self, pull: PullRequest) -> str | None:
         spec = self.p.layout
@@ -322,16 +244,15 @@ class _RankLoop(threading.Thread):
             msg = "injected: P lists the request as failed"
             self.reply(identity, self._response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=msg, injected=True))
             return
-        with self.p._lock:
-            t = self.p._transfers.get(pull.transfer_id)
+        table = self.p.table
+        with table.lock:
+            t = table.get_or_placeholder(pull.transfer_id, arrived)
             if t is None:
-                if len(self.p._transfers) >= MAX_PLACEHOLDERS:
-                    self.reply(identity, self._response(pull, Status.ERROR, err_msg="too many pending transfers"))
-                    return
-                t = self.p._transfers[pull.transfer_id] = Transfer(pull.transfer_id, arrived + self.p.abort_timeout_s)
+                self.reply(identity, self._response(pull, Status.ERROR, err_msg="too many pending transfers"))
+                return
             if not pull.block_ids:  # release-only pull: D will never read these blocks
                 if t.ready or t.dead:
-                    self.p._finish(t)
+                    table.finish(t)
                 else:
                     t.dead = "released by D before prefill finished"
                 self.reply(identity, self._response(pull, Status.FINISH))
@@ -343,14 +264,14 @@ class _RankLoop(threading.Thread):
                 return  # the injected fault: this pull is never answered
             if t.dead:
                 msg = t.dead
-                self.p._finish(t)
+                table.finish(t)
                 self.reply(identity, self._response(pull, Status.ERROR, err_msg=msg))
                 return
             if not t.ready or fault == "p_not_ready":
                 self._parked.append((identity, pull, arrived + self.p.abort_timeout_s))
                 return
             if len(t.block_ids or ()) < len(pull.block_ids):
-                self.p._finish(t)
+                table.finish(t)
                 self.reply(identity, self._response(pull, Status.ERROR, err_msg="P num blocks less than D"))
                 return
             # The injected `transport` fault breaks the data plane after half of the blocks.
@@ -367,19 +288,19 @@ class _RankLoop(threading.Thread):
         still: list[tuple[bytes, PullRequest, float]] = []
         parked, self._parked = self._parked, []
         for identity, pull, deadline in parked:
-            with self.p._lock:
-                t = self.p._transfers.get(pull.transfer_id)
+            with self.p.table.lock:
+                t = self.p.table.get(pull.transfer_id)
                 injected = self.p.faults.fault_for(pull.transfer_id) == "p_not_ready"
                 ready_now = t is not None and (t.ready or t.dead) and not injected
             if ready_now:
                 self._on_pull(identity, pull, now)
             elif now >= deadline:
                 self.reply(identity, self._response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=NOT_READY_MSG))
-                with self.p._lock:
+                with self.p.table.lock:
                     if t is not None and t.ready:
-                        self.p._finish(t, expired=True)
+                        self.p.table.finish(t, expired=True)
                     else:
-                        self.p._abandon(pull.transfer_id, now)
+                        self.p.table.abandon(pull.transfer_id, now)
             else:
                 still.append((identity, pull, deadline))
         self._parked.extend(still)
@@ -418,16 +339,7 @@ class _RankLoop(threading.Thread):
                                             bytes_written=nbytes))
 
     def _done(self, pull: PullRequest, failed: bool) -> None:
-        with self.p._lock:
-            t = self.p._transfers.get(pull.transfer_id)
-            if t is None:
-                return
-            t.inflight -= 1
-            if failed:
-                self.p._finish(t)  # D fails the request; nobody will pull this transfer again
-                return
-            t.served.add((self.rank, pull.d_tp_rank))
-            self.p._mark_served(t, pull.d_tp_size)
+        self.p.table.write_done(pull.transfer_id, self.rank, pull.d_tp_rank, pull.d_tp_size, failed)
 
     @staticmethod
     def _response(pull: PullRequest, status: Status, **kw: object) -> PullResponse:

@@ -31,10 +31,26 @@ class PrefillTarget:
     url: str
     engine_id: str = ""
     bootstrap_addr: str = ""
+    known: bool = False
+    # A prefill instance that does not announce its engine id and bootstrap address (vLLM's /health
+    # answers an empty 200) is used sequentially: its answer's kv_transfer_params are handed to D.
+    sequential: bool = False
+    pinned: bool = False  # sequential by configuration, whatever /health says
 
     async def refresh(self, client: httpx.AsyncClient) -> None:
-        info = (await client.get(f"{self.url}/health", timeout=5.0)).json()
-        self.engine_id, self.bootstrap_addr = info["engine_id"], info["kv_bootstrap_addr"]
+        r = await client.get(f"{self.url}/health", timeout=5.0)
+        r.raise_for_status()
+        try:
+            info = r.json()
+            self.engine_id, self.bootstrap_addr = str(info["engine_id"]), str(info["kv_bootstrap_addr"])
+            self.sequential = self.pinned
+        except (ValueError, KeyError, TypeError):
+            self.sequential = True
+        self.known = True
+
+    def forget(self) -> None:
+        """P may have restarted (with another engine id): ask again next time."""
+        self.known = False
 
 
 class ProxyMetrics:
@@ -45,10 +61,12 @@ class ProxyMetrics:
         )
 
 
-def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: int = 0) -> FastAPI:
+def build_proxy_app(
+    prefill_urls: list[str], decode_urls: list[str], retries: int = 0, sequential: bool = False
+) -> FastAPI:
     app = FastAPI(title="kvferry P/D proxy", version="0.1.0")
     install_error_handlers(app)
-    prefills = [PrefillTarget(u.rstrip("/")) for u in prefill_urls]
+    prefills = [PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential) for u in prefill_urls]
     decodes = [u.rstrip("/") for u in decode_urls]
     next_p, next_d = itertools.cycle(range(len(prefills))), itertools.cycle(range(len(decodes)))
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
@@ -103,13 +121,15 @@ async def _one_attempt(
     transfer_id: str,
 ) -> tuple[Response, bool]:
     """(response, retryable): a KV-load failure before any token reached the client may be retried."""
-    if not target.engine_id:
+    if not target.known:
         try:
             await target.refresh(client)
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
+        except httpx.HTTPError as exc:
             return JSONResponse(error_body(f"prefill {target.url} unavailable: {exc!r}", "proxy_error", 502), 502), True
     p_body = {**body, "max_tokens": 1, "stream": False,
               "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
+    if target.sequential:
+        return await _sequential(client, target, decode_url, body, p_body, stream)
     d_body = {**body, "kv_transfer_params": {
         "do_remote_prefill": True,
         "transfer_id": transfer_id,
@@ -129,19 +149,56 @@ async def _one_attempt(
             await asyncio.gather(decode, return_exceptions=True)
             if decode.done() and not decode.cancelled() and decode.exception() is None:
                 await decode.result().aclose()
-            target.engine_id = ""  # P may have restarted with another engine id
+            target.forget()
             return p_error, p_error.status_code >= 500
     try:
         d_response = await decode
     except httpx.HTTPError as exc:
         prefill.cancel()
         return JSONResponse(error_body(f"decode {decode_url} unavailable: {exc!r}", "proxy_error", 502), 502), True
+    return await _relay_decode(d_response, target, stream, prefill)
+
+
+async def _sequential(
+    client: httpx.AsyncClient,
+    target: PrefillTarget,
+    decode_url: str,
+    body: dict[str, Any],
+    p_body: dict[str, Any],
+    stream: bool,
+) -> tuple[Response, bool]:
+    """Prefill first, then hand P's kv_transfer_params to D (for prefill instances that are not kvferry)."""
+    try:
+        p_response = await client.post(f"{target.url}/v1/completions", json=p_body)
+    except httpx.HTTPError as exc:
+        target.forget()
+        return JSONResponse(error_body(f"prefill request failed: {exc!r}", "proxy_error", 502), 502), True
+    if p_response.status_code != 200:
+        return Response(p_response.content, p_response.status_code, media_type="application/json"), p_response.status_code >= 500
+    try:
+        params = p_response.json()["kv_transfer_params"]
+    except (ValueError, KeyError, TypeError):
+        params = None
+    if not isinstance(params, dict):
+        return JSONResponse(error_body("prefill answer carries no kv_transfer_params", "proxy_error", 502), 502), True
+    d_request = client.build_request("POST", f"{decode_url}/v1/completions", json={**body, "kv_transfer_params": params})
+    try:
+        d_response = await client.send(d_request, stream=True)
+    except httpx.HTTPError as exc:
+        return JSONResponse(error_body(f"decode {decode_url} unavailable: {exc!r}", "proxy_error", 502), 502), True
+    return await _relay_decode(d_response, target, stream, None)
+
+
+async def _relay_decode(
+    d_response: httpx.Response, target: PrefillTarget, stream: bool, prefill: asyncio.Task[httpx.Response] | None
+) -> tuple[Response, bool]:
+    """D's answer for the client; a 500 kv_load_failed (before any token) is retryable."""
     if d_response.status_code != 200:
         content = await d_response.aread()
         await d_response.aclose()
         retryable = d_response.status_code == 500 and b"kv_load_failed" in content
         if retryable:
-            target.engine_id = ""
+            target.forget()
         return Response(content, d_response.status_code, media_type="application/json"), retryable
     headers = {k: v for k, v in d_response.headers.items() if k.lower() not in _HOP_HEADERS}
     if not stream:
@@ -170,11 +227,11 @@ def _prefill_error(prefill: asyncio.Task[httpx.Response]) -> JSONResponse | None
     return JSONResponse(content, r.status_code)
 
 
-async def _relay(d_response: httpx.Response, prefill: asyncio.Task[httpx.Response]) -> AsyncIterator[bytes]:
+async def _relay(d_response: httpx.Response, prefill: asyncio.Task[httpx.Response] | None) -> AsyncIterator[bytes]:
     try:
         async for chunk in d_response.aiter_raw():
             yield chunk
     finally:
         await d_response.aclose()
-        if not prefill.done():
+        if prefill is not None and not prefill.done():
             prefill.cancel()

@@ -1,0 +1,233 @@
+"""`kvferry bench e2e`: TTFT and inter-token latency, colocated vs disaggregated (proxy + P + D).
+
+One colocated instance (`kvferry serve --role both`) and one P/D system (proxy, P, D) run side by side
+on free loopback ports, every process with single-threaded BLAS. For each prompt length (128, 2k and 8k
+byte tokens) the same prompts are sent to both, streaming, one request at a time (the two modes take
+turns, so a slow moment of the machine hits both), greedy (temperature 0, ignore_eos) with
+`OUTPUT_TOKENS` output tokens; the outputs of the two modes must be identical, or the bench raises.
+
+Where the figures come from:
+- TTFT: time to the response headers (an instance answers only once the first token exists; the proxy
+  relays D's headers);
+- ITL: every SSE event carries `usage.completion_tokens`; the time between two events is spread over
+  the tokens that arrived with the later one (a byte token that ends inside a UTF-8 character arrives
+  with the next event);
+- transfer_ms: per request, the delta of D's `kvferry_kv_transfer_seconds` sum (from P's first write
+  into D's memory to P's FINISH reply); p_write_ms: the same from P's histogram (the data-plane write
+  alone); kv_mib: the delta of `kvferry_kv_transfer_bytes_total`;
+- transfer_share_of_ttft: transfer_ms p50 / disaggregated TTFT p50; x_ttft_vs_colocated: disaggregated
+  TTFT p50 / colocated TTFT p50.
+After the run, P and D must have freed every KV block, or the bench raises.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvferry.bench.report import report
+from kvferry.workload import (
+    LOOPBACK,
+    ManagedProcess,
+    MetricSnapshot,
+    PDSystem,
+    PDSystemConfig,
+    blas_env,
+    free_port,
+    is_drained,
+    parse_metrics,
+    percentile,
+    wait_all_healthy,
+    wait_drained,
+)
+
+OUTPUT_TOKENS = 16
+SEED = 0
+# Enough for one 8k prompt + output on each instance (16-token blocks), with room to spare.
+NUM_BLOCKS = 1024
+BLOCK_SIZE = 16
+REQUEST_TIMEOUT_S = 120.0
+# (prompt tokens, repetitions) per mode; 8k prefills take seconds on one core, so few of them.
+FULL_PLAN = ((128, 30), (2048, 10), (8192, 3))
+QUICK_PLAN = ((128, 5), (2048, 2), (8192, 1))
+
+_SECONDS_SUM = "kvferry_kv_transfer_seconds_sum"
+_SECONDS_COUNT = "kvferry_kv_transfer_seconds_count"
+_BYTES = "kvferry_kv_transfer_bytes_total"
+
+
+@dataclass
+class Measured:
+    """One streamed completion."""
+
+    ttft_s: float
+    itl_s: list[float]  # one value per output token after the first
+    text: str
+    completion_tokens: int
+
+
+@dataclass
+class Series:
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    transfer_s: list[float] = field(default_factory=list)  # D's histogram delta per request
+    p_write_s: list[float] = field(default_factory=list)  # P's histogram delta per request
+    kv_bytes: list[float] = field(default_factory=list)
+
+
+def prompts(length: int, count: int, seed: int = SEED) -> list[list[int]]:
+    """`count` prompts of `length` byte tokens, deterministic in (length, count, seed)."""
+    rng = random.Random(f"kvferry-e2e-{seed}-{length}")
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
+
+
+def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> Measured:
+    """A streaming greedy completion; raises on anything but a complete HTTP 200 stream."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    sent = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        first = time.perf_counter()
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
+        last_t, last_n = first, 1  # the response headers leave with the first token
+        itl: list[float] = []
+        parts: list[str] = []
+        tokens = 0
+        done = False
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                break
+            now = time.perf_counter()
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"{url}: error in stream: {event['error']}")
+            parts.append(event["choices"][0]["text"])
+            tokens = int(event["usage"]["completion_tokens"])
+            if tokens > last_n:
+                itl += [(now - last_t) / (tokens - last_n)] * (tokens - last_n)
+                last_t, last_n = now, tokens
+    if not done:
+        raise RuntimeError(f"{url}: stream ended without [DONE]")
+    return Measured(first - sent, itl, "".join(parts), tokens)
+
+
+def _metrics(client: httpx.Client, url: str) -> MetricSnapshot:
+    response = client.get(f"{url}/metrics", timeout=10.0)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def _delta(before: MetricSnapshot, after: MetricSnapshot, name: str) -> float:
+    return after.value(name) - before.value(name)
+
+
+def _transfer_delta(before: MetricSnapshot, after: MetricSnapshot, where: str) -> float:
+    count = _delta(before, after, _SECONDS_COUNT)
+    if count != 1:
+        raise RuntimeError(f"expected exactly one KV transfer on {where} per request, saw {count:g}")
+    return _delta(before, after, _SECONDS_SUM)
+
+
+def _row(mode: str, length: int, reps: int, s: Series) -> dict[str, Any]:
+    return {
+        "mode": mode,
+        "prompt_tokens": length,
+        "reps": reps,
+        "ttft_p50_ms": _ms(percentile(s.ttft_s, 50)),
+        "ttft_p99_ms": _ms(percentile(s.ttft_s, 99)),
+        "itl_p50_ms": _ms(percentile(s.itl_s, 50)),
+        "itl_p99_ms": _ms(percentile(s.itl_s, 99)),
+        "transfer_ms": _ms(percentile(s.transfer_s, 50)),
+        "p_write_ms": _ms(percentile(s.p_write_s, 50)),
+        "kv_mib": (percentile(s.kv_bytes, 50) or 0) / 2**20 if s.kv_bytes else None,
+        "transfer_share_of_ttft": None,
+        "x_ttft_vs_colocated": None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def measure(
+    colocated_url: str, proxy_url: str, p_url: str, d_url: str, plan: Sequence[tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """Both modes, prompt length by prompt length; raises if an output differs between the modes."""
+    rows: list[dict[str, Any]] = []
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
+    with httpx.Client(timeout=timeout) as client:
+        # Warm-up (connections, D's first pull from P, first allocations); not measured.
+        for url in (colocated_url, proxy_url):
+            for warm in prompts(64, 2, seed=SEED + 1):
+                stream_completion(client, url, warm, OUTPUT_TOKENS)
+        for length, reps in plan:
+            colocated, disaggregated = Series(), Series()
+            for i, prompt in enumerate(prompts(length, reps)):
+                a = stream_completion(client, colocated_url, prompt, OUTPUT_TOKENS)
+                p_before, d_before = _metrics(client, p_url), _metrics(client, d_url)
+                b = stream_completion(client, proxy_url, prompt, OUTPUT_TOKENS)
+                p_after, d_after = _metrics(client, p_url), _metrics(client, d_url)
+                if (a.text, a.completion_tokens) != (b.text, b.completion_tokens):
+                    raise RuntimeError(
+                        f"outputs differ for prompt {i} of {length} tokens: colocated "
+                        f"{a.completion_tokens} tokens {a.text!r}, disaggregated {b.completion_tokens} tokens {b.text!r}"
+                    )
+                if a.completion_tokens != OUTPUT_TOKENS:
+                    raise RuntimeError(f"expected {OUTPUT_TOKENS} output tokens, got {a.completion_tokens}")
+                colocated.ttft_s.append(a.ttft_s)
+                colocated.itl_s += a.itl_s
+                disaggregated.ttft_s.append(b.ttft_s)
+                disaggregated.itl_s += b.itl_s
+                disaggregated.transfer_s.append(_transfer_delta(d_before, d_after, "D"))
+                disaggregated.p_write_s.append(_transfer_delta(p_before, p_after, "P"))
+                disaggregated.kv_bytes.append(_delta(d_before, d_after, _BYTES))
+            base, pd = _row("colocated", length, reps, colocated), _row("disaggregated", length, reps, disaggregated)
+            if pd["ttft_p50_ms"] and pd["transfer_ms"] is not None:
+                pd["transfer_share_of_ttft"] = pd["transfer_ms"] / pd["ttft_p50_ms"]
+            if pd["ttft_p50_ms"] and base["ttft_p50_ms"]:
+                pd["x_ttft_vs_colocated"] = pd["ttft_p50_ms"] / base["ttft_p50_ms"]
+            rows += [base, pd]
+    return rows
+
+
+def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
+    plan = QUICK_PLAN if quick else FULL_PLAN
+    pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    colocated: ManagedProcess | None = None
+    try:
+        port = free_port()
+        colocated = ManagedProcess(
+            "colocated",
+            ["serve", "--role", "both", "--host", LOOPBACK, "--port", str(port), "--seed", str(SEED),
+             "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--log-level", "warning"],
+            f"http://{LOOPBACK}:{port}",
+            blas_env(1),
+        )
+        pd.start()
+        wait_all_healthy([colocated], 60)
+        assert pd.proxy is not None and pd.prefill is not None and pd.decode is not None
+        rows = measure(colocated.url, pd.proxy.url, pd.prefill.url, pd.decode.url, plan)
+        states = wait_drained([pd.prefill.url, pd.decode.url, colocated.url], 15)
+        for name, state in zip(("P", "D", "colocated"), states, strict=True):
+            if state is None or not is_drained(state):
+                raise RuntimeError(f"{name} still holds KV blocks or requests after the run: {state}")
+    finally:
+        pd.stop()
+        if colocated is not None:
+            colocated.stop()
+    report(
+        f"kvferry bench e2e: colocated vs disaggregated, {OUTPUT_TOKENS} output tokens, one request at a time",
+        rows,
+        json_path,
+    )
+    return rows

@@ -1,0 +1,352 @@
+"""kvferry as a vLLM KV connector (`KVConnectorBase_V1`, written against vLLM 0.33).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVFerryConnector",
+        "kv_connector_module_path": "kvferry.integrations.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"bootstrap_port": 8998}}'
+
+Both roles delegate to kvferry's `PDConnector`: `kv_producer` → its prefill side, `kv_consumer` → its
+decode side, `kv_both` → one of each, chosen per request by its kv_transfer_params (`do_remote_decode`
+→ prefill side, `do_remote_prefill` → decode side). kvferry settings come from
+`kv_connector_extra_config` (see `KVFerrySettings`). This is the only kvferry module that imports vLLM;
+`import kvferry` never does.
+
+What vLLM's scheduler requires, and how it is met here:
+- each finished id is reported once per direction, and only ids vLLM still holds: the worker reports a
+  sending id only for a transfer the scheduler handed it (vLLM then holds the blocks, `delay_free`), and
+  a receiving id only for a pull into blocks (never for a release-only pull); anything else is dropped
+  and logged;
+- failed loads: the request is reported in finished_recving in the same step as its invalid blocks
+  (`get_block_ids_with_load_errors`), so `kv_load_failure_policy` decides: `fail` → FINISHED_ERROR,
+  `recompute` → computed tokens cut at the first invalid block. Hybrid (multi-group) KV caches are not
+  declared (no `SupportsHMA`), so vLLM disables its hybrid allocator and block ids are unambiguous;
+- `update_state_after_alloc` called again with 0 external tokens after an async load is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvferry.integrations.vllm needs vLLM (tested with 0.33): build the optional environment with "
+        "`bash .ci/vllm-env.sh`, or `pip install 'kvferry[vllm]'`"
+    ) from exc
+
+from kvferry.connector.base import ConnectorRole
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.pd import (
+    KVTransferParamsError,
+    PDConfig,
+    PDConnector,
+    PDMetadata,
+    validate_kv_transfer_params,
+)
+from kvferry.integrations.vllm_layout import VllmKVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"
+_ROLES = {"kv_producer": (PREFILL,), "kv_consumer": (DECODE,), "kv_both": (PREFILL, DECODE)}
+_MAX_REMEMBERED = 10_000  # bounded memory of per-request notes (warnings, failure causes)
+
+
+@dataclass(frozen=True)
+class KVFerrySettings:
+    """`kv_connector_extra_config` keys (all optional). Unknown keys are rejected, so a typo fails fast."""
+
+    engine_id: str  # default: vLLM's kv_transfer_config.engine_id
+    host: str = "127.0.0.1"  # address P's bootstrap/control/transfer endpoints bind and advertise
+    bootstrap_port: int = 8998
+    abort_timeout_s: float = 30.0  # P frees blocks nobody pulled after this (lease)
+    kv_load_deadline_s: float = 60.0  # D gives up on a pull after this (failure cause "deadline")
+    transfer: str = "tcp"  # "tcp" (built in) or "mooncake"
+    checksums: bool = True
+    faults: str = ""  # fault injection spec (tests, chaos); default: env KVFERRY_FAULTS
+
+    KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
+            "checksums", "faults")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any], default_engine_id: str) -> KVFerrySettings:
+        unknown = sorted(set(extra) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"unknown kvferry setting(s) {unknown} in kv_connector_extra_config; known: {cls.KEYS}")
+        settings = cls(
+            engine_id=str(extra.get("engine_id") or default_engine_id),
+            host=str(extra.get("host", os.environ.get("KVFERRY_HOST", "127.0.0.1"))),
+            bootstrap_port=int(extra.get("bootstrap_port", 8998)),
+            abort_timeout_s=float(extra.get("abort_timeout_s", 30.0)),
+            kv_load_deadline_s=float(extra.get("kv_load_deadline_s", 60.0)),
+            transfer=str(extra.get("transfer", "tcp")),
+            checksums=bool(extra.get("checksums", True)),
+            faults=str(extra.get("faults", os.environ.get("KVFERRY_FAULTS", ""))),
+        )
+        if settings.transfer not in ("tcp", "mooncake"):
+            raise ValueError(f"transfer must be 'tcp' or 'mooncake', not {settings.transfer!r}")
+        FaultSpec.parse(settings.faults)  # raises on a bad spec
+        return settings
+
+    def pd_config(self, role: str, block_size: int) -> PDConfig:
+        return PDConfig(
+            role=role,
+            engine_id=self.engine_id,
+            host=self.host,
+            tp_size=1,  # one vLLM worker process = one kvferry rank
+            block_size=block_size,
+            bootstrap_port=self.bootstrap_port,
+            abort_timeout_s=self.abort_timeout_s,
+            kv_load_deadline_s=self.kv_load_deadline_s,
+            transfer=self.transfer,
+            checksums=self.checksums,
+            faults=FaultSpec.parse(self.faults),
+        )
+
+
+@dataclass
+class KVFerryConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler → worker, once per step: kvferry's `PDMetadata` per role."""
+
+    by_role: dict[str, PDMetadata] = field(default_factory=dict)
+
+
+@dataclass
+class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker → scheduler, once per step: why loads failed (request id → (cause, message))."""
+
+    causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        causes = dict(self.causes)
+        if isinstance(other, KVFerryWorkerMetadata):
+            causes.update(other.causes)
+        return KVFerryWorkerMetadata(causes)
+
+
+class _RequestView:
+    """A vLLM `Request` as kvferry's `RequestLike`; kv_transfer_params that can never work read as None."""
+
+    __slots__ = ("_request", "_params")
+
+    def __init__(self, request: Any, params: dict[str, Any] | None) -> None:
+        self._request, self._params = request, params
+
+    @property
+    def request_id(self) -> str:
+        return str(self._request.request_id)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self._request.prompt_token_ids or ())
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        return self._params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self._request.num_prompt_tokens)
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self._request.get_finished_reason()
+        return None if reason is None else str(reason)  # vLLM's FinishReason prints "stop", "length", ...
+
+
+@dataclass(frozen=True)
+class _StepView:
+    """A vLLM `SchedulerOutput` as kvferry's `SchedulerOutputLike`."""
+
+    step: int
+    finished_req_ids: set[str]
+
+
+class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv_config = self._kv_transfer_config
+        parallel = vllm_config.parallel_config
+        if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size) != (1, 1, 1):
+            raise ValueError("KVFerryConnector supports one worker per engine (tensor, pipeline and data parallel "
+                             "size 1); run one vLLM instance per GPU instead")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("KVFerryConnector supports a single KV cache group (no hybrid allocator)")
+        if kv_config.kv_role not in _ROLES:
+            raise ValueError(f"unsupported kv_role {kv_config.kv_role!r}")
+        self.settings = KVFerrySettings.from_extra_config(
+            dict(kv_config.kv_connector_extra_config or {}), str(kv_config.engine_id)
+        )
+        self.block_size = int(vllm_config.cache_config.block_size)
+        pd_role = ConnectorRole.SCHEDULER if role == KVConnectorRole.SCHEDULER else ConnectorRole.WORKER
+        self.pd: dict[str, PDConnector] = {
+            r: PDConnector(pd_role, self.settings.pd_config(r, self.block_size)) for r in _ROLES[kv_config.kv_role]
+        }
+        self.layout: VllmKVLayout | None = None
+        self._step = 0
+        self._bad_params: OrderedDict[str, None] = OrderedDict()
+        self.failure_causes: OrderedDict[str, tuple[str, str]] = OrderedDict()  # scheduler side, for logs/tests
+        # worker side: ids the scheduler may be told about (each once)
+        self._expect_send: set[str] = set()
+        self._expect_recv: set[str] = set()
+        self._causes: dict[str, tuple[str, str]] = {}
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _view(self, request: Any) -> _RequestView:
+        params = request.kv_transfer_params
+        try:
+            validate_kv_transfer_params(params)
+        except KVTransferParamsError as exc:
+            if request.request_id not in self._bad_params:
+                _remember(self._bad_params, request.request_id, None)
+                log.warning("request %s: kv_transfer_params ignored (%s): %s", request.request_id, exc, params)
+            params = None
+        return _RequestView(request, params)
+
+    # ---- scheduler role ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        decode = self.pd.get(DECODE)
+        if decode is None:
+            return 0, False
+        view = self._view(request)
+        if num_computed_tokens > 0 and (view.kv_transfer_params or {}).get("do_remote_prefill"):
+            # kvferry pulls a prompt's blocks from its first block on: with a local prefix-cache hit the
+            # request computes the rest locally, and P's blocks are released when it finishes.
+            return 0, False
+        return decode.get_num_new_matched_tokens(view, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        decode = self.pd.get(DECODE)
+        if decode is None or num_external_tokens == 0:
+            return  # the 2nd call after an async load (0 tokens) and every non-load call
+        (block_ids,) = blocks.get_block_ids()
+        decode.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVFerryConnectorMetadata:
+        self._step += 1
+        step = _StepView(self._step, set(scheduler_output.finished_req_ids))
+        by_role = {}
+        for r, pd in self.pd.items():
+            meta = pd.build_connector_meta(step)
+            assert isinstance(meta, PDMetadata)
+            # A request that ended before admission is in this step's finished ids AND has a release-only
+            # pull here; PDConnector's worker would start the pull and abort it at once, so P would never
+            # hear of it and keep the blocks until its lease expires. The release IS the abort.
+            meta.finished_req_ids -= {p.request_id for p in meta.to_pull if not p.block_ids}
+            by_role[r] = meta
+        return KVFerryConnectorMetadata(by_role)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        view = self._view(request)
+        params = view.kv_transfer_params or {}
+        if params.get("do_remote_decode") and PREFILL in self.pd:
+            return self.pd[PREFILL].request_finished(view, block_ids)
+        if params.get("do_remote_prefill") and DECODE in self.pd:
+            return self.pd[DECODE].request_finished(view, block_ids)
+        return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVFerryWorkerMetadata):
+            for request_id, (cause, message) in meta.causes.items():
+                _remember(self.failure_causes, request_id, (cause, message))
+                log.warning("KV load for request %s failed [%s]: %s", request_id, cause, message)
+
+    # ---- worker role ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size)
+        for pd in self.pd.values():
+            pd.register_kv_layout(self.layout)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVFerryConnectorMetadata)
+        for r, pd_meta in meta.by_role.items():
+            if r == PREFILL:
+                self._expect_send.update(s.request_id for s in pd_meta.to_send)
+            else:
+                self._expect_recv.update(p.request_id for p in pd_meta.to_pull if p.block_ids)
+            self.pd[r].start_load_kv(pd_meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous, between steps
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # P serves pulls from its blocks after the request finished; nothing to save per layer
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for pd in self.pd.values():
+            s, r = pd.get_finished(finished_req_ids)
+            sending |= s
+            recving |= r
+            self._causes.update(pd.get_failure_causes())
+        return _once(sending, self._expect_send, "sending"), _once(recving, self._expect_recv, "receiving")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid: set[int] = set()
+        for pd in self.pd.values():
+            invalid |= pd.get_block_ids_with_load_errors()
+        return invalid
+
+    def build_connector_worker_meta(self) -> KVFerryWorkerMetadata | None:
+        if not self._causes:
+            return None
+        causes, self._causes = self._causes, {}
+        return KVFerryWorkerMetadata(causes)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Close kvferry's endpoints; bounded, so a stuck socket never hangs vLLM's exit."""
+
+        def close_all() -> None:
+            for pd in self.pd.values():
+                pd.close()
+
+        closer = threading.Thread(target=close_all, name="kvferry-shutdown", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            log.error("kvferry connector did not shut down within %.0fs; leaving it to process exit", timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """kvferry counters per role (pending_pulls, pending_sends, addresses)."""
+        return {r: pd.stats() for r, pd in self.pd.items()}
+
+
+def _once(ids: set[str], expected: set[str], direction: str) -> set[str]:
+    """The ids vLLM may be told about, each once; anything else would trip the scheduler's assert."""
+    stale = ids - expected
+    if stale:
+        log.error("kvferry reported finished %s for unknown or already reported request(s) %s: dropped",
+                  direction, sorted(stale))
+    ok = ids & expected
+    expected -= ok
+    return ok
+
+
+def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > _MAX_REMEMBERED:
+        store.popitem(last=False)
+
+
+__all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerrySettings", "KVFerryWorkerMetadata"]

@@ -1,0 +1,141 @@
+"""A `KVLayout` over vLLM's per-layer KV cache tensors, so kvferry's producer and consumer can move vLLM's
+KV blocks without knowing vLLM's memory layout.
+
+vLLM (0.33) hands the worker connector one tensor per attention layer, a strided view of the logical shape
+`[B, H, N, C]` (block, KV head, token in block, K|V content) whose physical order depends on the resolved
+KV cache layout (LBNHC by default; all layers usually share one backing allocation). Each layer whose
+view is dense in memory (layer-outermost layouts) is registered as its own region, named after the layer;
+layers that interleave with others (block-outermost layouts) fall back to one region per backing storage.
+A block's byte runs are derived from the strides, so any layout works as long as P and D use the same
+one (same model, same vLLM settings).
+
+Host memory only: the built-in TCP engine reads and writes through the CPU. See docs/vllm.md for GPU
+memory (a pinned staging copy for the TCP engine, or Mooncake TE registering device memory for RDMA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.connector.layout import KVLayout
+from kvferry.transfer.base import ByteRange
+
+
+class UnsupportedKVCacheError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    region: str
+    base: int  # byte offset of element [0, 0, ...] inside the region
+    block_stride: int  # bytes between consecutive (kernel) blocks
+    dims: tuple[tuple[int, int], ...]  # (size, byte stride) of the dims after the block dim; dim 0 = heads
+    itemsize: int
+
+
+class VllmKVLayout(KVLayout):
+    """Regions and block runs of vLLM's per-layer KV cache tensors (CPU tensors, TP=1 or any head split).
+
+    `num_blocks` is the scheduler's block count (`KVCacheConfig.num_blocks`); a layer tensor may hold a
+    whole multiple of it when the attention kernel splits manager blocks into smaller kernel blocks.
+    """
+
+    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> None:
+        if not kv_caches:
+            raise UnsupportedKVCacheError("no KV cache tensors to register")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._regions: dict[str, Any] = {}
+        self._storages: dict[int, str] = {}  # storage base address → region name
+        first = next(iter(kv_caches.values()))
+        self._ratio = max(1, int(getattr(first, "shape", (num_blocks,))[0]) // max(1, num_blocks))
+        self._layers = [self._add_layer(name, kv_caches[name]) for name in sorted(kv_caches)]
+        heads = {layer.dims[0][0] for layer in self._layers}
+        if len(heads) != 1:
+            raise UnsupportedKVCacheError(f"layers disagree on the number of KV heads: {sorted(heads)}")
+        self.num_kv_heads = heads.pop()
+        self._block_bytes = sum(
+            self._ratio * math.prod(size for size, _ in layer.dims) * layer.itemsize for layer in self._layers
+        )
+
+    def _add_layer(self, name: str, cache: Any) -> _Layer:
+        import torch
+
+        if not isinstance(cache, torch.Tensor):
+            raise UnsupportedKVCacheError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+        if cache.device.type != "cpu":
+            raise UnsupportedKVCacheError(
+                f"{name}: KV cache on {cache.device}; kvferry's TCP engine moves host memory only "
+                "(see docs/vllm.md: staging copy or Mooncake TE for device memory)"
+            )
+        if cache.dim() < 3:
+            raise UnsupportedKVCacheError(f"{name}: expected a [blocks, heads, ...] view, got shape {tuple(cache.shape)}")
+        if any(s < 0 for s in cache.stride()):
+            raise UnsupportedKVCacheError(f"{name}: negative strides are not supported")
+        if cache.shape[0] != self.num_blocks * self._ratio:
+            raise UnsupportedKVCacheError(
+                f"{name}: {cache.shape[0]} blocks, expected {self.num_blocks} x {self._ratio} kernel blocks"
+            )
+        isz = cache.element_size()
+        order = sorted(range(cache.dim()), key=lambda i: cache.stride(i), reverse=True)
+        dense = cache.permute(order)
+        if dense.is_contiguous():
+            region, base = name, 0
+            self._regions[name] = dense.view(torch.uint8).reshape(-1).numpy()
+        else:
+            storage = cache.untyped_storage()
+            region = self._storages.get(storage.data_ptr(), "")
+            if not region:
+                region = self._storages[storage.data_ptr()] = f"storage{len(self._storages)}"
+                flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+                self._regions[region] = flat.numpy()
+            base = cache.data_ptr() - storage.data_ptr()
+        dims = tuple((cache.shape[i], cache.stride(i) * isz) for i in range(1, cache.dim()))
+        return _Layer(name, region, base, cache.stride(0) * isz, dims, isz)
+
+    def regions(self) -> dict[str, Any]:
+        return dict(self._regions)
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self._layers]
+
+    def block_runs(self, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        h0, h1 = heads
+        if not 0 <= h0 < h1 <= self.num_kv_heads:
+            raise ValueError(f"heads {heads} out of range for {self.num_kv_heads} KV heads")
+        out: list[ByteRange] = []
+        for layer in self._layers:
+            (_, head_stride), *rest = layer.dims
+            dims = [(h1 - h0, head_stride), *rest]
+            for kb in range(block_id * self._ratio, (block_id + 1) * self._ratio):
+                start = layer.base + kb * layer.block_stride + h0 * head_stride
+                for offset, length in _runs(start, dims, layer.itemsize):
+                    last = out[-1] if out else None
+                    if last is not None and last.region == layer.region and last.end == offset:
+                        out[-1] = ByteRange(layer.region, last.offset, last.length + length)
+                    else:
+                        out.append(ByteRange(layer.region, offset, length))
+        return out
+
+
+def _runs(base: int, dims: list[tuple[int, int]], itemsize: int) -> list[tuple[int, int]]:
+    """(offset, length) byte runs of a strided sub-array, ascending; contiguous inner dims become one run."""
+    outer = sorted((d for d in dims if d[0] != 1), key=lambda d: d[1], reverse=True)
+    run = itemsize
+    while outer and outer[-1][1] == run:
+        run *= outer.pop()[0]
+    offsets = [base]
+    for size, stride in outer:
+        offsets = [o + i * stride for o in offsets for i in range(size)]
+    return [(o, run) for o in offsets]

@@ -1,0 +1,86 @@
+"""`VllmKVLayout`: the byte runs it names for a block are exactly that block's bytes, for vLLM's physical
+KV cache layouts (layer- or block-outermost, heads inside or outside the block) and any head split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch: Any = pytest.importorskip("torch")
+
+from kvferry.integrations.vllm_layout import UnsupportedKVCacheError, VllmKVLayout  # noqa: E402
+
+L, B, H, N, C = 3, 5, 4, 4, 8  # layers, blocks, KV heads, tokens per block, K|V content (elements)
+
+
+def layer_views(layout: str, blocks: int = B) -> dict[str, Any]:
+    """Per-layer [B, H, N, C] views of one allocation, strided as vLLM's layouts are."""
+    raw = torch.zeros(L * blocks * H * N * C, dtype=torch.float16)
+    if layout == "LBNHC":  # layer-outermost, tokens outside heads: each layer one dense region
+        views = [raw.view(L, blocks, N, H, C)[i].permute(0, 2, 1, 3) for i in range(L)]
+    elif layout == "LBHNC":
+        views = [raw.view(L, blocks, H, N, C)[i] for i in range(L)]
+    elif layout == "LHBNC":  # heads outside blocks: a block is one run per head
+        views = [raw.view(L, H, blocks, N, C)[i].permute(1, 0, 2, 3) for i in range(L)]
+    elif layout == "BLHNC":  # block-outermost: layers interleave, one region for the allocation
+        views = [raw.view(blocks, L, H, N, C)[:, i] for i in range(L)]
+    else:
+        raise ValueError(layout)
+    return {f"layers.{i}.attn": v for i, v in enumerate(views)}
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LHBNC", "BLHNC"])
+@pytest.mark.parametrize("heads", [(0, H), (0, 2), (1, 3), (3, 4)])
+def test_runs_are_exactly_the_blocks_bytes(layout: str, heads: tuple[int, int]) -> None:
+    caches = layer_views(layout)
+    kv = VllmKVLayout(caches, num_blocks=B, block_size=N)
+    assert kv.num_kv_heads == H and kv.block_bytes == L * H * N * C * 2
+    regions = {name: buf for name, buf in kv.regions().items()}
+    for block in range(B):
+        for buf in regions.values():
+            buf[:] = 0
+        runs = kv.block_runs(block, heads)
+        for r in runs:
+            assert regions[r.region][r.offset : r.end].sum() == 0, "runs overlap"
+            regions[r.region][r.offset : r.end] = 1
+        h0, h1 = heads
+        for view in caches.values():
+            marked = view.view(torch.uint8) == 1
+            assert marked[block, h0:h1].all()
+            assert int(marked.sum()) == marked[block, h0:h1].numel()
+        if heads == (0, H) and layout in ("LBNHC", "LBHNC"):
+            assert len(runs) == L  # one run per layer for whole blocks
+        if layout == "BLHNC" and heads == (0, H):
+            assert len(runs) == 1  # all layers of a block are one contiguous page
+
+
+def test_kernel_blocks_split_a_manager_block() -> None:
+    caches = layer_views("LBNHC", blocks=2 * B)
+    kv = VllmKVLayout(caches, num_blocks=B, block_size=2 * N)
+    region = kv.regions()["layers.0.attn"]
+    region[:] = 0
+    for r in kv.block_runs(1, (0, H)):
+        region[r.offset : r.end] = 1
+    marked = caches["layers.0.attn"].view(torch.uint8) == 1
+    assert marked[2:4].all() and int(marked.sum()) == marked[2:4].numel()
+
+
+def test_checksums_match_between_identical_layouts() -> None:
+    a, b = layer_views("LBNHC"), layer_views("LBNHC")
+    for name in a:
+        a[name].normal_()
+        b[name].copy_(a[name])
+    ka, kb = VllmKVLayout(a, B, N), VllmKVLayout(b, B, N)
+    assert [ka.checksum(i, (0, H)) for i in range(B)] == [kb.checksum(i, (0, H)) for i in range(B)]
+    b["layers.1.attn"][2, 0, 0, 0] += 1
+    assert ka.checksum(2, (0, H)) != kb.checksum(2, (0, H)) and ka.checksum(1, (0, H)) == kb.checksum(1, (0, H))
+
+
+def test_rejects_what_it_cannot_move() -> None:
+    with pytest.raises(UnsupportedKVCacheError):
+        VllmKVLayout({}, B, N)
+    with pytest.raises(UnsupportedKVCacheError, match="blocks"):
+        VllmKVLayout(layer_views("LBNHC", blocks=B + 1), B, N)
+    with pytest.raises(UnsupportedKVCacheError, match="torch.Tensor"):
+        VllmKVLayout({"x": [1, 2, 3]}, B, N)
