@@ -8,6 +8,7 @@ decode is answered with an ERROR, never a crash.
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 import msgspec
 
@@ -74,6 +75,9 @@ _response_decoder = msgspec.msgpack.Decoder(PullResponse | HeartbeatAck)
 _encoder = msgspec.msgpack.Encoder()
 
 
+T = TypeVar("T")
+
+
 class MessageError(ValueError):
     pass
 
@@ -82,19 +86,18 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_inbound(data: bytes) -> Inbound:
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes) -> T:
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        return _inbound_decoder.decode(data)
+        return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MessageError(str(exc)) from exc
+
+
+def decode_inbound(data: bytes) -> Inbound:
+    return _decode(_inbound_decoder, data)
 
 
 def decode_response(data: bytes) -> PullResponse | HeartbeatAck:
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        return _response_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageError(str(exc)) from exc
+    return _decode(_response_decoder, data)
