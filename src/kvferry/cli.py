@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -138,23 +139,10 @@ def proxy(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    if args.which == "scheduler":
-        from kvferry.bench import scheduler as bench_scheduler
-
-        bench_scheduler.run(args.json_path, quick=args.quick)
-        return 0
-    if args.which == "failover":
-        from kvferry.bench import failover as bench_failover
-
-        bench_failover.run(args.json_path, quick=args.quick)
-        return 0
-    if args.which == "transfer":
-        from kvferry.bench import transfer as bench_transfer
-
-        bench_transfer.run(args.json_path, quick=args.quick)
-        return 0
-    print(f"kvferry bench {args.which}: not built yet", file=sys.stderr)
-    return 2
+    # kvferry.bench.<which> each expose run(json_path, quick) and print their own table.
+    module = importlib.import_module(f"kvferry.bench.{args.which}")
+    module.run(args.json_path, quick=args.quick)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,7 +94,9 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         first = time.perf_counter()
         if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
+            raise RuntimeError(
+                f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}"
+            )
         last_t, last_n = first, 1  # the response headers leave with the first token
         itl: list[float] = []
         parts: list[str] = []
@@ -191,7 +193,10 @@ def measure(
                 disaggregated.transfer_s.append(_transfer_delta(d_before, d_after, "D"))
                 disaggregated.p_write_s.append(_transfer_delta(p_before, p_after, "P"))
                 disaggregated.kv_bytes.append(_delta(d_before, d_after, _BYTES))
-            base, pd = _row("colocated", length, reps, colocated), _row("disaggregated", length, reps, disaggregated)
+            base, pd = (
+                _row("colocated", length, reps, colocated),
+                _row("disaggregated", length, reps, disaggregated),
+            )
             if pd["ttft_p50_ms"] and pd["transfer_ms"] is not None:
                 pd["transfer_share_of_ttft"] = pd["transfer_ms"] / pd["ttft_p50_ms"]
             if pd["ttft_p50_ms"] and base["ttft_p50_ms"]:
@@ -200,16 +205,35 @@ def measure(
     return rows
 
 
-def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
-    plan = QUICK_PLAN if quick else FULL_PLAN
+def run(
+    json_path: str | None = None, quick: bool = False, *, plan: Sequence[tuple[int, int]] | None = None
+) -> list[dict[str, Any]]:
+    """Measure, print the table (and write --json); `plan` ((prompt tokens, reps), ...) overrides the
+    default plan (tests use a tiny one)."""
+    plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
     pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
     colocated: ManagedProcess | None = None
     try:
         port = free_port()
         colocated = ManagedProcess(
             "colocated",
-            ["serve", "--role", "both", "--host", LOOPBACK, "--port", str(port), "--seed", str(SEED),
-             "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--log-level", "warning"],
+            [
+                "serve",
+                "--role",
+                "both",
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(port),
+                "--seed",
+                str(SEED),
+                "--num-blocks",
+                str(NUM_BLOCKS),
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--log-level",
+                "warning",
+            ],
             f"http://{LOOPBACK}:{port}",
             blas_env(1),
         )

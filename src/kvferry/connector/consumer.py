@@ -379,9 +379,14 @@ class Consumer:
         return min(writing_since, default=pull.started)
 
     def _release_remote(self, pull: PullMeta) -> None:
-        """Tell P it may free the transfer's blocks now rather than at its timeout."""
-        for addr in {(t.d_rank, t.control_addr) for t in pull.tasks}:
-            self._dealer(*addr).send_raw(encode(Release([pull.spec.transfer_id])))
+        """Tell P it may free the transfer's blocks now rather than at its timeout (best effort: the
+        failure path must finish whatever this hits)."""
+        try:
+            data = encode(Release([pull.spec.transfer_id]))
+            for addr in {(t.d_rank, t.control_addr) for t in pull.tasks}:
+                self._dealer(*addr).send_raw(data)
+        except Exception:
+            log.exception("could not tell P to release transfer %r", pull.spec.transfer_id)
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

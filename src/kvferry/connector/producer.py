@@ -254,7 +254,7 @@ class _RankLoop(threading.Thread):
                 if t.ready or t.dead:
                     table.finish(t)
                 else:
-                    t.dead = "released by D before prefill finished"
+                    t.abandoned = True  # freed the moment the prefill finishes
                 self.reply(identity, self._response(pull, Status.FINISH))
                 return
             t.pulled = True

@@ -98,6 +98,7 @@ class Engine:
         self.metrics.kv_blocks_total.set(config.num_blocks)
         self.metrics.kv_blocks_free.set(config.num_blocks)
         self.fatal_error: BaseException | None = None
+        self._connector_step = False
 
     # ---- thread-safe API --------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,6 +118,11 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self._call(lambda: self._abort(request_id))
+
+    def reject(self, request: Request) -> None:
+        """A request the API turned away before the engine saw it: its connector may still owe a peer
+        something (D tells P to free the prefill it holds for this request)."""
+        self._call(lambda: self._reject(request))
 
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
         """State for /debug/state, computed on the engine thread so no step pays for it."""
@@ -148,8 +154,9 @@ class Engine:
             while not self._stopped.is_set():
                 self._drain_commands()
                 s = self.scheduler
-                if s.has_unfinished or s.remote or s.sending:
+                if s.has_unfinished or s.remote or s.sending or self._connector_step:
                     idle_checked = False
+                    self._connector_step = False
                     self.step()
                     if not s.has_unfinished:
                         self._wakeup.wait(_POLL_INTERVAL_S)
@@ -182,6 +189,11 @@ class Engine:
             sink(RequestOutput(request.request_id, [], True, "error", "invalid_request", str(exc)))
             return
         self._streams[request.request_id] = _Stream(sink)
+
+    def _reject(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.scheduler_connector.request_finished(request, [])
+        self._connector_step = True  # the connector hands its work to the worker in a step
 
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)

@@ -266,10 +266,13 @@ class TinyLlama:
             logits = self.forward(kv_cache, block_size, [token], position, block_table)
 
 
+_MIN_TEMPERATURE = 1e-5
+
+
 def sample(logits: FloatArray, temperature: float, seed: int | None, position: int) -> int:
     """Greedy argmax at temperature 0 (ties go to the lowest id); otherwise a softmax draw that depends
     only on (seed, position), so a sequence resumed elsewhere samples the same tokens. No seed: unseeded."""
-    if temperature == 0:
+    if temperature < _MIN_TEMPERATURE:  # below this, logits / temperature overflows: it is greedy
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / temperature
     probs = np.exp(scaled - scaled.max())

@@ -18,7 +18,13 @@ from kvferry.engine.engine import Engine, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.tokenizer import VOCAB_SIZE, IncrementalDetokenizer, encode
-from kvferry.serving.protocol import CompletionRequest, completion_body, error_body, new_request_id
+from kvferry.serving.protocol import (
+    CompletionRequest,
+    completion_body,
+    error_body,
+    new_request_id,
+    validation_message,
+)
 
 MODEL_NAME = "kvferry-tiny-llama"
 # How often a non-streaming handler checks whether its client went away.
@@ -30,11 +36,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid"))
-        return JSONResponse(error_body(message, "invalid_request_error", 400), status_code=400)
+        return JSONResponse(error_body(validation_message(exc), "invalid_request_error", 400), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -65,6 +67,18 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        response = await _completions(body, http_request)
+        if response.status_code == 400 and (body.kv_transfer_params or {}).get("do_remote_prefill"):
+            # Turned away here, but P already prefills it (the proxy asks both at once): free P now.
+            params = body.kv_transfer_params
+            try:
+                validate_kv_transfer_params(params)
+            except KVTransferParamsError:
+                return response  # nowhere to send the release
+            engine.reject(EngineRequest(new_request_id(), [], SamplingParams(), params, time.time()))
+        return response
+
+    async def _completions(body: CompletionRequest, http_request: Request) -> Response:
         if isinstance(body.prompt, str):
             prompt_ids = encode(body.prompt)
         else:

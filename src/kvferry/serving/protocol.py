@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Deeper JSON than any real request; also keeps a hostile body from exhausting the recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def check_json_safe(value: Any, depth: int = 0) -> None:
+    """Raise ValueError for what JSON can carry but we cannot echo or forward: strings with lone
+    surrogates (no UTF-8 form), NaN / Infinity, and absurd nesting."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("string is not valid Unicode (lone surrogate)") from None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("numbers must be finite (no NaN or Infinity)")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json_safe(k, depth + 1)
+            check_json_safe(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            check_json_safe(v, depth + 1)
 
 
 class CompletionRequest(BaseModel):
@@ -23,6 +49,12 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_safe(cls, data: Any) -> Any:
+        check_json_safe(data)
+        return data
 
 
 def error_body(message: str, type_: str, code: str | int | None = None) -> dict[str, Any]:
@@ -59,3 +91,12 @@ def completion_body(
 
 def new_request_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
+
+
+def validation_message(exc: Any) -> str:
+    """One readable line from a pydantic / FastAPI validation error."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = str(first.get("msg", "invalid request"))
+    return f"{where}: {message}" if where else message

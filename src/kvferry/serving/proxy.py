@@ -5,6 +5,7 @@ transfer_id (the pattern of vLLM's Mooncake proxy). D's answer is streamed back;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import uuid
@@ -16,9 +17,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from pydantic import ValidationError
 
 from kvferry.serving.api_server import install_error_handlers
-from kvferry.serving.protocol import error_body
+from kvferry.serving.protocol import CompletionRequest, error_body, validation_message
 
 RETRY_BACKOFF_S = 0.25
 TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
@@ -64,12 +66,18 @@ class ProxyMetrics:
 def build_proxy_app(
     prefill_urls: list[str], decode_urls: list[str], retries: int = 0, sequential: bool = False
 ) -> FastAPI:
-    app = FastAPI(title="kvferry P/D proxy", version="0.1.0")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="kvferry P/D proxy", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     prefills = [PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential) for u in prefill_urls]
     decodes = [u.rstrip("/") for u in decode_urls]
     next_p, next_d = itertools.cycle(range(len(prefills))), itertools.cycle(range(len(decodes)))
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     metrics = ProxyMetrics()
 
     @app.get("/health")
@@ -83,11 +91,16 @@ def build_proxy_app(
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
             return JSONResponse(error_body("body is not valid JSON", "invalid_request_error", 400), 400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("body must be a JSON object", "invalid_request_error", 400), 400)
+        try:
+            # Reject what the instances would reject before P spends a prefill (and blocks) on it.
+            CompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            return JSONResponse(error_body(validation_message(exc), "invalid_request_error", 400), 400)
         stream = bool(body.get("stream"))
         for attempt in range(retries + 1):
             target = prefills[next(next_p)]
@@ -104,10 +117,6 @@ def build_proxy_app(
             if response.status_code == 502:  # an instance is unreachable: give it a moment to come back
                 await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2**attempt))
         raise AssertionError("unreachable")
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        await client.aclose()
 
     return app
 
