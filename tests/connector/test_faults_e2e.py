@@ -108,10 +108,12 @@ def send_in_background(url: str, ids: list[int]) -> tuple[threading.Thread, list
 
 
 def in_transfer(p: Proc, d: Proc) -> bool:
-    """P finished the prefill and holds the blocks (its HTTP answer is out); D waits for them."""
+    """P is inside its (slowed) write for D's pull, so its HTTP answer is long out; D waits."""
     d_state = httpx.get(f"{d.url}/debug/state", timeout=5).json()
     p_state = httpx.get(f"{p.url}/debug/state", timeout=5).json()
-    return bool(d_state["requests_by_status"].get("WAITING_FOR_REMOTE_KVS")) and bool(p_state["pending_sends"])
+    return bool(d_state["requests_by_status"].get("WAITING_FOR_REMOTE_KVS")) and bool(
+        p_state["connector"]["writes_in_flight"]
+    )
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])

@@ -1,6 +1,6 @@
 """`kvferry bench failover`: how long a decode request waits on a prefill instance that died or hung.
 
-For each repetition a request is sent through the proxy while P sits on the pull (`slow` fault), then P
+For each repetition P prefills a request, D pulls it while P sits on the write (`slow` fault), then P
 gets `kill -9` or SIGSTOP; we time until the client holds D's answer (HTTP 500, cause peer_dead), which
 is when the request left WAITING_FOR_REMOTE_KVS (plus a loopback round trip). P is then restarted at the
 same address, which must work at once. Side by side: kvferry's defaults (heartbeats + connection events)
@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -40,17 +41,15 @@ def _state(url: str) -> dict[str, Any]:
         return {}
 
 
-def _in_transfer(p_url: str, d_url: str) -> bool:
-    """P finished the prefill and holds the blocks; D waits for them."""
-    d_state = _state(d_url)
-    return bool(d_state.get("requests_by_status", {}).get("WAITING_FOR_REMOTE_KVS")) and bool(
-        _state(p_url).get("pending_sends")
-    )
+def writing(p_url: str, d_url: str) -> bool:
+    """P is inside its (slowed) write for the pull; D waits for the blocks."""
+    d_waiting = _state(d_url).get("requests_by_status", {}).get("WAITING_FOR_REMOTE_KVS")
+    return bool(d_waiting) and bool(_state(p_url).get("connector", {}).get("writes_in_flight"))
 
 
 class _Rig:
     def __init__(self, liveness: bool, abort_timeout: float) -> None:
-        self.p_port, self.d_port, self.x_port = free_port(), free_port(), free_port()
+        self.p_port, self.d_port = free_port(), free_port()
         common = ["--host", LOOPBACK, "--seed", "0", "--num-blocks", "256", "--abort-timeout", str(abort_timeout)]
         self.p_args = ["serve", "--role", "prefill", "--port", str(self.p_port), "--bootstrap-port", str(free_port()),
                        "--faults", "slow=600000", *common]
@@ -59,24 +58,23 @@ class _Rig:
             d_args += ["--heartbeat-timeout", "0"]
         self.prefill = ManagedProcess("prefill", self.p_args, f"http://{LOOPBACK}:{self.p_port}")
         self.decode = ManagedProcess("decode", d_args, f"http://{LOOPBACK}:{self.d_port}")
-        self.proxy = ManagedProcess(
-            "proxy",
-            ["proxy", "--host", LOOPBACK, "--port", str(self.x_port), "--prefill", self.prefill.url,
-             "--decode", self.decode.url],
-            f"http://{LOOPBACK}:{self.x_port}",
-        )
-        wait_all_healthy([self.prefill, self.decode, self.proxy], 60)
+        wait_all_healthy([self.prefill, self.decode], 60)
 
     def one(self, sig: signal.Signals) -> float:
+        # The prefill first (as the proxy's sequential mode does), so P's HTTP answer is out before P dies.
+        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4()}"}}
+        prefill = httpx.post(f"{self.prefill.url}/v1/completions", json=body, timeout=60)
+        prefill.raise_for_status()
         result: list[httpx.Response] = []
-        body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        d_body = {**body, "max_tokens": 2, "kv_transfer_params": prefill.json()["kv_transfer_params"]}
 
         def send() -> None:
-            result.append(httpx.post(f"{self.proxy.url}/v1/completions", json=body, timeout=120))
+            result.append(httpx.post(f"{self.decode.url}/v1/completions", json=d_body, timeout=120))
 
         thread = threading.Thread(target=send, daemon=True)
         thread.start()
-        _wait(lambda: _in_transfer(self.prefill.url, self.decode.url), 30, "a transfer in flight")
+        _wait(lambda: writing(self.prefill.url, self.decode.url), 30, "P writing the pull")
         killed_at = time.monotonic()
         os.kill(self.prefill.pid, sig)
         thread.join(timeout=120)
@@ -89,7 +87,7 @@ class _Rig:
         return elapsed
 
     def stop(self) -> None:
-        for proc in (self.proxy, self.decode, self.prefill):
+        for proc in (self.decode, self.prefill):
             proc.stop()
 
 

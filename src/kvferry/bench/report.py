@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,8 @@ def report(title: str, rows: Sequence[dict[str, Any]], json_path: str | None = N
         table.add_column(column, justify="right" if rows and isinstance(rows[0].get(column), (int, float)) else "left")
     for row in rows:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
-    Console().print(table)
+    # Wide enough for every column when piped (rich would assume 80).
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
     if json_path:
         with open(json_path, "w") as f:
             json.dump([{c: row.get(c) for c in columns} for row in rows], f, indent=2)

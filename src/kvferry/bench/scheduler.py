@@ -23,7 +23,8 @@ BLOCK_SIZE = 16
 
 def measure(parked: int, steps: int) -> dict[str, Any]:
     connector = ScriptedConnector()
-    pool = BlockPool(parked + RUNNING * 64 + 16)
+    blocks_per_running = -(-(BLOCK_SIZE + steps + 20) // BLOCK_SIZE)  # they decode every step
+    pool = BlockPool(parked + RUNNING * blocks_per_running + 16)
     scheduler = Scheduler(SchedulerConfig(block_size=BLOCK_SIZE, max_num_seqs=RUNNING), pool, connector)
     for i in range(parked):
         rid = f"parked-{i}"

@@ -232,7 +232,8 @@ class PDConnector(KVConnector):
     def stats(self) -> dict[str, Any]:
         return {
             "pending_pulls": self.consumer.pending_pulls if self.consumer else 0,
-            "pending_sends": self.producer.pending_sends() if self.producer else 0,
+            "pending_sends": self.producer.table.pending_sends() if self.producer else 0,
+            "writes_in_flight": self.producer.table.writes_in_flight() if self.producer else 0,
             "transfer_addrs": [e.address for e in self.transfer_engines],
             "control_addrs": self.producer.control_addrs if self.producer else [],
         }

@@ -86,9 +86,6 @@ class Producer:
     def drain_finished(self) -> set[str]:
         return self.table.drain_finished()
 
-    def pending_sends(self) -> int:
-        return self.table.pending_sends()
-
     def close(self) -> None:
         self._stop.set()
         self._wake_all()

@@ -80,6 +80,10 @@ class TransferTable:
         with self.lock:
             return sum(1 for t in self._transfers.values() if t.ready)
 
+    def writes_in_flight(self) -> int:
+        with self.lock:
+            return sum(t.inflight for t in self._transfers.values())
+
     # ---- rank threads -----------------------------------------------------------------------------
     def get(self, transfer_id: str) -> Transfer | None:
         return self._transfers.get(transfer_id)
