@@ -143,7 +143,8 @@ def judge(
 def run(args: argparse.Namespace) -> int:
     console = Console()
     spec = fault_spec(args.fault_rate, args.seed)
-    # Under recompute the proxy rides out P's restarts (502s back off up to ~2 s each).
+    # The proxy rides out P's restarts (unreachable: backoff up to ~2 s each); KV-load failures are
+    # retried only under recompute, so that under fail every prediction is checked.
     retries = "6" if args.policy == "recompute" else "0"
     config = PDSystemConfig(
         seed=args.seed,
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=4096,
         abort_timeout=ABORT_TIMEOUT_S,
         kv_load_deadline=30.0,
-        proxy_args=("--retries", retries),
+        proxy_args=("--retries", retries, "--retry-unreachable", "6"),
     )
     items = make_workload(args.requests, args.seed, max_prompt=args.max_prompt, max_tokens=(4, 8), long_share=0.1)
     results = new_results(items)

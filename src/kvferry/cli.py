@@ -50,6 +50,8 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--retries", type=int, default=0, help="retry a KV-load failure before the first token")
+    p.add_argument("--retry-unreachable", type=int, default=3,
+                   help="retry (with backoff up to 2 s) when an instance cannot be reached at all")
     p.add_argument("--sequential", action="store_true",
                    help="prefill first, then pass P's kv_transfer_params to D (automatic for a P that is not kvferry)")
     p.add_argument("--log-level", default="warning")
@@ -133,7 +135,7 @@ def proxy(args: argparse.Namespace) -> int:
 
     from kvferry.serving.proxy import build_proxy_app
 
-    app = build_proxy_app(args.prefill, args.decode, args.retries, args.sequential)
+    app = build_proxy_app(args.prefill, args.decode, args.retries, args.sequential, args.retry_unreachable)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -64,7 +64,11 @@ class ProxyMetrics:
 
 
 def build_proxy_app(
-    prefill_urls: list[str], decode_urls: list[str], retries: int = 0, sequential: bool = False
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    retries: int = 0,
+    sequential: bool = False,
+    retry_unreachable: int = 3,
 ) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
@@ -102,7 +106,8 @@ def build_proxy_app(
         except ValidationError as exc:
             return JSONResponse(error_body(validation_message(exc), "invalid_request_error", 400), 400)
         stream = bool(body.get("stream"))
-        for attempt in range(retries + 1):
+        kv_failures = unreachable = 0
+        for attempt in itertools.count():
             target = prefills[next(next_p)]
             decode_url = decodes[next(next_d)]
             transfer_id = f"xfer-{uuid.uuid4()}"
@@ -110,12 +115,17 @@ def build_proxy_app(
             # Lets a client (or `kvferry chaos`) match the answer with the fault function's prediction.
             response.headers[TRANSFER_ID_HEADER] = transfer_id
             response.headers[ATTEMPTS_HEADER] = str(attempt + 1)
-            if not retryable or attempt == retries:
+            # Two budgets: KV-load failures (--retries) and instances that cannot be reached at all
+            # (--retry-unreachable, with backoff while a restarted instance comes up).
+            is_unreachable = response.status_code == 502
+            kv_failures += retryable and not is_unreachable
+            unreachable += retryable and is_unreachable
+            if not retryable or kv_failures > retries or unreachable > retry_unreachable:
                 metrics.requests.labels(outcome=str(response.status_code)).inc()
                 return response
             metrics.requests.labels(outcome="retried").inc()
-            if response.status_code == 502:  # an instance is unreachable: give it a moment to come back
-                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2**attempt))
+            if is_unreachable:
+                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (unreachable - 1)))
         raise AssertionError("unreachable")
 
     return app
