@@ -17,10 +17,11 @@ import zmq
 
 from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
-from kvferry.connector.consumer import Consumer, ConsumerConfig, PullMeta, PullSpec
+from kvferry.connector.consumer import Consumer
 from kvferry.connector.layout import PagedKVLayout, overlap, write_ops
 from kvferry.connector.messages import PullRequest, PullResponse, Status, decode_inbound, encode
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.pulls import ConsumerConfig, PullMeta, PullSpec
 from kvferry.transfer.tcp import TcpTransferEngine
 from procs import free_port
 

@@ -21,11 +21,12 @@ from kvferry.connector.base import (
     SchedulerOutputLike,
 )
 from kvferry.connector.bootstrap import BootstrapServer, Registration
-from kvferry.connector.consumer import Consumer, ConsumerConfig, PullSpec
+from kvferry.connector.consumer import Consumer
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, PagedKVLayout
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.producer import Producer
+from kvferry.connector.pulls import ConsumerConfig, PullSpec
 from kvferry.transfer.base import TransferEngine
 
 

@@ -254,7 +254,6 @@ class _RankLoop(threading.Thread):
                     t.abandoned = True  # freed the moment the prefill finishes
                 self.reply(identity, self._response(pull, Status.FINISH))
                 return
-            t.pulled = True
             # From the first pull on, D's lease (renewed by its heartbeats) decides how long we hold.
             t.expires = max(t.expires, arrived + (pull.lease_s or self.p.abort_timeout_s))
             if fault == "drop_reply":

@@ -27,7 +27,6 @@ class Transfer:
     block_ids: list[int] | None = None  # set once the prefill is done
     num_tokens: int = 0
     dead: str | None = None  # the P request ended without KV (aborted, error)
-    pulled: bool = False
     inflight: int = 0  # writes reading these blocks right now: never free under them
     abandoned: bool = False  # D released it (or gave up) before it was ready: free on arrival
     served: set[tuple[int, int]] = field(default_factory=set)  # (p_rank, d_rank) pairs done

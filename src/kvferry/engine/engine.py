@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.base import KVConnector, NoOpConnector
@@ -63,7 +63,6 @@ Sink = Callable[[RequestOutput], None]
 class _Stream:
     sink: Sink
     emitted: int = 0
-    stop_checked: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:

@@ -92,10 +92,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.remote or self.sending)
-
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1

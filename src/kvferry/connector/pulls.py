@@ -1,0 +1,107 @@
+"""The decode side's data: what the scheduler asks to pull, one pull's state per request and per
+(D rank, P rank) pair, and the outbox the receiver loop fills for the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.messages import PullResponse
+from kvferry.transfer.base import ByteRange
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """What the scheduler role hands the worker for one request (via the connector metadata)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]  # empty: release-only pull (P just frees its blocks)
+    engine_id: str
+    bootstrap_addr: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    tp_size: int = 1
+    recv_timeout_s: float = 35.0
+    kv_load_deadline_s: float = 60.0
+    checksums: bool = True
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    # Liveness of P: heartbeats every interval, dead after timeout of silence; 0 turns liveness off
+    # (heartbeats and connection-close events), leaving only the timeouts, as in vLLM's connectors.
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.5
+
+    @property
+    def liveness(self) -> bool:
+        return self.heartbeat_timeout_s > 0
+
+    @property
+    def lease_s(self) -> float:
+        """How long P holds a transfer without hearing from us (0: P's own abort timeout)."""
+        return 8 * self.heartbeat_interval_s if self.liveness else 0.0
+
+
+@dataclass
+class PullTask:
+    """One (D rank, P rank) pair of a pull."""
+
+    d_rank: int
+    p_rank: int
+    heads: tuple[int, int]
+    control_addr: str
+    grant: str | None = None
+    written: list[ByteRange] | None = None  # final, once the grant is closed
+    checksums: list[int] = field(default_factory=list)
+    future: asyncio.Future[PullResponse] | None = None
+    done: bool = False
+
+
+@dataclass
+class PullMeta:
+    spec: PullSpec
+    started: float
+    deadline: float
+    tasks: list[PullTask] = field(default_factory=list)
+    pull_tasks_count: int = 0
+    failed: bool = False
+    coroutine: asyncio.Task[None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.spec.block_ids
+
+
+class Outbox:
+    """Loop thread → engine thread: finished requests, invalid blocks, failure causes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.finished: set[str] = set()
+        self.invalid: set[int] = set()
+        self.causes: dict[str, tuple[str, str]] = {}
+
+    def report(
+        self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None
+    ) -> None:
+        with self._lock:
+            # Cause and blocks go in with the request, so one drain never sees the request without them.
+            if cause is not None:
+                self.causes[request_id] = cause
+            self.invalid.update(invalid)
+            self.finished.add(request_id)
+
+    def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
+        with self._lock:
+            out = (self.finished, self.invalid, self.causes)
+            self.finished, self.invalid, self.causes = set(), set(), {}
+        return out
