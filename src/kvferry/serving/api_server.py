@@ -19,9 +19,12 @@ from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.tokenizer import VOCAB_SIZE, IncrementalDetokenizer, encode
 from kvferry.serving.protocol import (
+    COMPLETION_200,
+    METRICS_200,
     CompletionRequest,
     completion_body,
     error_body,
+    error_responses,
     new_request_id,
     validation_message,
 )
@@ -56,7 +59,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
         info = {"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id}
         return JSONResponse({**info, **(health_extra or {})})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_200)
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -65,7 +68,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
         state = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot)
         return JSONResponse(state)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 500)})
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         response = await _completions(body, http_request)
         if response.status_code == 400 and (body.kv_transfer_params or {}).get("do_remote_prefill"):

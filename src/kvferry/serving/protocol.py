@@ -57,6 +57,36 @@ class CompletionRequest(BaseModel):
         return data
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | int | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI-style error; for a failed KV load `type` is "kv_load_failed" and `code` the cause."""
+
+    error: ErrorDetail
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request",
+    500: "KV load failed (type kv_load_failed, code = the cause) or an engine error",
+    502: "An instance could not be reached (proxy)",
+}
+# OpenAPI declarations shared by the instance and the proxy.
+COMPLETION_200: dict[int | str, dict[str, Any]] = {
+    200: {"description": "A completion; with stream=true, server-sent events", "content": {"text/event-stream": {}}}
+}
+METRICS_200: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text format", "content": {"text/plain": {}}}
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody, "description": _ERROR_DESCRIPTIONS[code]} for code in codes}
+
+
 def error_body(message: str, type_: str, code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "code": code}}
 

@@ -20,7 +20,14 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import ValidationError
 
 from kvferry.serving.api_server import install_error_handlers
-from kvferry.serving.protocol import CompletionRequest, error_body, validation_message
+from kvferry.serving.protocol import (
+    COMPLETION_200,
+    METRICS_200,
+    CompletionRequest,
+    error_body,
+    error_responses,
+    validation_message,
+)
 
 RETRY_BACKOFF_S = 0.25
 TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
@@ -88,11 +95,19 @@ def build_proxy_app(
     async def health() -> dict[str, Any]:
         return {"status": "ok", "role": "proxy", "prefill": prefill_urls, "decode": decode_urls}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_200)
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions", response_model=None)
+    # The body is forwarded as it came (unknown fields too), so it is read raw and validated by hand.
+    request_body = {"required": True, "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}}}
+
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={**COMPLETION_200, **error_responses(400, 500, 502)},
+        openapi_extra={"requestBody": request_body},
+    )
     async def completions(request: Request) -> Response:
         try:
             body = json.loads(await request.body())
