@@ -25,11 +25,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
+from kvferry.reference import ReferenceWorker
 from kvferry.workload import (
     ManagedProcess,
     PDSystem,
     PDSystemConfig,
-    ReferenceWorker,
     RequestResult,
     make_workload,
     new_results,

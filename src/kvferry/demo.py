@@ -46,10 +46,10 @@ from rich.text import Text
 
 from kvferry.connector.faults import FaultSpec
 from kvferry.demo_plot import write_plot
+from kvferry.reference import ReferenceWorker
 from kvferry.workload import (
     PDSystem,
     PDSystemConfig,
-    ReferenceWorker,
     RequestResult,
     SystemSampler,
     WorkItem,
