@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import httpx
+from kvferry.workload import ManagedProcess, free_port, wait_all_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["Proc", "free_port", "pd_system", "running", "serve", "wait_until"]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):  # type: ignore[no-untyped-def]
@@ -32,57 +22,14 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):  #
         time.sleep(interval)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+class Proc(ManagedProcess):
+    """A `python -m kvferry ...` child of a test (stopped by pid, see `running`)."""
 
-
-class Proc:
     def __init__(self, args: Sequence[str], url: str, env: dict[str, str] | None = None) -> None:
-        self.args = list(args)
-        self.url = url
-        self.log_path = f"/tmp/kvferry-test-{os.getpid()}-{time.monotonic_ns()}.log"
-        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "kvferry", *self.args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
+        super().__init__(str(args[0]), args, url, env)
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        def ready() -> bool:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"process exited with {self.popen.returncode}:\n{self.output()}")
-            return _healthy(self.url)
-
-        wait_until(ready, timeout, f"{self.url}/health")
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-5000:]
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGTERM)
-                self.popen.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        if self.popen.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-            self.popen.wait(timeout=10)
-        self.log.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.log_path)
+        wait_all_healthy([self], timeout)
 
 
 @contextmanager
