@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -112,9 +113,8 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         engine.submit(request, sink)
-        if body.stream:
-            return await _stream(engine, request_id, body, stop, outputs, http_request)
-        return await _complete(engine, request_id, body, stop, outputs, http_request)
+        call = _Call(engine, request_id, body, stop, outputs, http_request)
+        return await (_stream(call) if body.stream else _complete(call))
 
     return app
 
@@ -154,28 +154,32 @@ class _TextAssembler:
         return delta
 
 
-async def _next(outputs: asyncio.Queue[RequestOutput], http_request: Request, engine: Engine, request_id: str) -> RequestOutput | None:
-    """The next engine output, or None (and the request aborted) when the client went away."""
-    while True:
-        try:
-            return await asyncio.wait_for(outputs.get(), _DISCONNECT_POLL_S)
-        except TimeoutError:
-            if await http_request.is_disconnected():
-                engine.abort(request_id)
-                return None
+@dataclass
+class _Call:
+    """One completion request in flight: what its answer is built from."""
+
+    engine: Engine
+    request_id: str
+    body: CompletionRequest
+    stop: tuple[str, ...]
+    outputs: asyncio.Queue[RequestOutput]
+    http_request: Request
+
+    async def next(self) -> RequestOutput | None:
+        """The next engine output, or None (and the request aborted) when the client went away."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.outputs.get(), _DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await self.http_request.is_disconnected():
+                    self.engine.abort(self.request_id)
+                    return None
 
 
-async def _complete(
-    engine: Engine,
-    request_id: str,
-    body: CompletionRequest,
-    stop: tuple[str, ...],
-    outputs: asyncio.Queue[RequestOutput],
-    http_request: Request,
-) -> Response:
-    assembler = _TextAssembler(stop)
+async def _complete(call: _Call) -> Response:
+    assembler = _TextAssembler(call.stop)
     while True:
-        out = await _next(outputs, http_request, engine, request_id)
+        out = await call.next()
         if out is None:
             return Response(status_code=499)
         assembler.add(out.new_token_ids, out.finished)
@@ -184,8 +188,8 @@ async def _complete(
     if out.finish_reason == "error":
         return _error_response(out)
     body_json = completion_body(
-        request_id,
-        body.model or MODEL_NAME,
+        call.request_id,
+        call.body.model or MODEL_NAME,
         assembler.text,
         out.finish_reason,
         out.num_prompt_tokens,
@@ -196,26 +200,19 @@ async def _complete(
     return JSONResponse(body_json)
 
 
-async def _stream(
-    engine: Engine,
-    request_id: str,
-    body: CompletionRequest,
-    stop: tuple[str, ...],
-    outputs: asyncio.Queue[RequestOutput],
-    http_request: Request,
-) -> Response:
+async def _stream(call: _Call) -> Response:
     # Wait for the first output before answering, so a failed KV load is still a clean HTTP 500.
-    first = await _next(outputs, http_request, engine, request_id)
+    first = await call.next()
     if first is None:
         return Response(status_code=499)
     if first.finished and first.finish_reason == "error":
         return _error_response(first)
-    model = body.model or MODEL_NAME
-    assembler = _TextAssembler(stop)
+    model = call.body.model or MODEL_NAME
+    assembler = _TextAssembler(call.stop)
 
     def chunk(text: str, out: RequestOutput) -> str:
         data: dict[str, Any] = completion_body(
-            request_id, model, text, out.finish_reason if out.finished else None, out.num_prompt_tokens,
+            call.request_id, model, text, out.finish_reason if out.finished else None, out.num_prompt_tokens,
             out.num_output_tokens, out.kv_transfer_params if out.finished else None,
             {"kvferry": {"recomputed_tokens": out.num_recomputed_tokens}} if out.finished else None,
         )
@@ -236,10 +233,10 @@ async def _stream(
                 if out.finished:
                     finished = True
                     break
-                out = await outputs.get()
+                out = await call.outputs.get()
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
-                engine.abort(request_id)
+                call.engine.abort(call.request_id)
 
     return StreamingResponse(events(), media_type="text/event-stream")
