@@ -37,8 +37,23 @@ LOOPBACK = "127.0.0.1"
 BLAS_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+# Ports handed to children are picked below Linux's ephemeral range (32768-60999 by default): a port the
+# kernel gives to some bind(0) or outgoing connection meanwhile can then never collide with them.
+_PORT_RANGE = (20000, 32000)
+_port_rng = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that is free now, for a process about to be started with it."""
+    for _ in range(200):
+        port = _port_rng.randrange(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
 
