@@ -339,6 +339,20 @@ def _error_fields(content: bytes | str) -> tuple[str | None, str | None, str]:
     return error.get("type"), None if code in (None, "") else str(code), str(error.get("message", ""))[:300]
 
 
+DONE: dict[str, Any] = {}  # what `sse_event` returns for the stream's final `data: [DONE]`
+
+
+def sse_event(line: str) -> dict[str, Any] | None:
+    """One line of an OpenAI completion stream: its JSON event, `DONE`, or None (not a data line)."""
+    if not line.startswith("data: "):
+        return None
+    data = line[len("data: ") :]
+    if data == "[DONE]":
+        return DONE
+    event: dict[str, Any] = json.loads(data)
+    return event
+
+
 async def run_request(
     client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float, timeout: float
 ) -> None:
@@ -366,13 +380,12 @@ async def run_request(
                 parts: list[str] = []
                 done = False
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
+                    event = sse_event(line)
+                    if event is None:
                         continue
-                    data = line[len("data: ") :]
-                    if data == "[DONE]":
+                    if event is DONE:
                         done = True
                         break
-                    event = json.loads(data)
                     if "error" in event:  # an error after the stream started
                         error = event["error"]
                         result.error_type, result.error_code = error.get("type"), error.get("code")

@@ -22,7 +22,6 @@ After the run, P and D must have freed every KV block, or the bench raises.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.workload import (
+    DONE,
     LOOPBACK,
     ManagedProcess,
     MetricSnapshot,
@@ -43,6 +43,7 @@ from kvferry.workload import (
     is_drained,
     parse_metrics,
     percentile,
+    sse_event,
     wait_all_healthy,
     wait_drained,
 )
@@ -103,14 +104,13 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
         tokens = 0
         done = False
         for line in response.iter_lines():
-            if not line.startswith("data: "):
+            event = sse_event(line)
+            if event is None:
                 continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
+            if event is DONE:
                 done = True
                 break
             now = time.perf_counter()
-            event = json.loads(data)
             if "error" in event:
                 raise RuntimeError(f"{url}: error in stream: {event['error']}")
             parts.append(event["choices"][0]["text"])

@@ -209,7 +209,7 @@ class Engine:
             logits = self.model.forward(
                 self.kv_cache,
                 self.config.block_size,
-                request.all_token_ids[chunk.start_pos : end],
+                request.token_ids(chunk.start_pos, end),
                 chunk.start_pos,
                 self.scheduler.block_tables[request.request_id],
             )

@@ -74,6 +74,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list (engine hot path)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
