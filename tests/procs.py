@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from kvferry.workload import ManagedProcess, free_port, wait_all_healthy
+from kvferry.harness.processes import ManagedProcess, free_port, wait_all_healthy
 
 __all__ = ["Proc", "free_port", "pd_system", "running", "serve", "wait_until"]
 

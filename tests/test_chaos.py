@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvferry import chaos
+from kvferry.harness import chaos
 
 
 @pytest.mark.timeout(400)

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvferry import demo
-from kvferry.workload import is_drained, make_workload, parse_metrics, percentile
+from kvferry.harness import demo
+from kvferry.harness.client import make_workload, percentile
+from kvferry.harness.sampler import is_drained, parse_metrics
 
 
 def _children() -> set[int]:

@@ -69,10 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_proxy(sub)
-    from kvferry import demo
+    from kvferry.harness import demo
 
     demo.add_arguments(sub.add_parser("demo", help="run P, D and the proxy with faults; report; exit 0 if clean"))
-    from kvferry import chaos
+    from kvferry.harness import chaos
 
     chaos.add_arguments(sub.add_parser("chaos", help="faults of every kind + kill/freeze P; exit 0 if clean"))
     _add_bench(sub)
@@ -154,11 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "proxy":
         return proxy(args)
     if args.command == "chaos":
-        from kvferry import chaos
+        from kvferry.harness import chaos
 
         return chaos.run(args)
     if args.command == "demo":
-        from kvferry import demo
+        from kvferry.harness import demo
 
         return demo.run(args)
     if args.command == "bench":

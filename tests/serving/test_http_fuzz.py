@@ -43,9 +43,9 @@ from schemathesis.specs.openapi.checks import (
 
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.model import ModelConfig
+from kvferry.harness.sampler import is_drained
 from kvferry.serving.api_server import build_app
 from kvferry.serving.proxy import build_proxy_app
-from kvferry.workload import is_drained
 from procs import Proc, pd_system, wait_until
 
 SMALL_BLOCKS = 8  # x 16 tokens: prompt + max_tokens <= 128; anything longer is a 400

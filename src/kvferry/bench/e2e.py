@@ -31,22 +31,17 @@ from typing import Any
 import httpx
 
 from kvferry.bench.report import report
-from kvferry.workload import (
-    DONE,
+from kvferry.harness.client import DONE, percentile, sse_event
+from kvferry.harness.processes import (
     LOOPBACK,
     ManagedProcess,
-    MetricSnapshot,
     PDSystem,
     PDSystemConfig,
     blas_env,
     free_port,
-    is_drained,
-    parse_metrics,
-    percentile,
-    sse_event,
     wait_all_healthy,
-    wait_drained,
 )
+from kvferry.harness.sampler import MetricSnapshot, is_drained, parse_metrics, wait_drained
 
 OUTPUT_TOKENS = 16
 SEED = 0

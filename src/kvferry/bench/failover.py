@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 
 from kvferry.bench.report import report
-from kvferry.workload import ManagedProcess, free_port, percentile, wait_all_healthy
+from kvferry.harness.client import percentile
+from kvferry.harness.processes import ManagedProcess, free_port, wait_all_healthy
 
 LOOPBACK = "127.0.0.1"
 PROMPT = list(range(200))

@@ -15,7 +15,7 @@ import xxhash
 FAULT_NAMES = ("bootstrap", "p_not_ready", "drop_reply", "error_reply", "err_reqs", "transport", "corrupt")
 SLOW = "slow"
 
-# The failure cause the decode side reports for each fault (DESIGN section 4).
+# The failure cause the decode side reports for each fault (docs/design.md).
 CAUSE_OF_FAULT = {
     "bootstrap": "bootstrap",
     "p_not_ready": "err_reqs",

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one instance (names fixed by DESIGN section 5).
+"""Prometheus metrics of one instance (names are a contract: docs/design.md).
 
 Each instance owns its registry, so several engines in one process (tests) never collide.
 """

@@ -1,7 +1,7 @@
 """The P/D connector: scheduler role (what to send / pull) and worker role (producer or consumer).
 
 As in vLLM, the two roles only talk through the per-step `PDMetadata`, so they could live in
-different processes. kv_transfer_params use the names of vLLM's Mooncake proxy (DESIGN section 5).
+different processes. kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The colocated reference for demo and chaos: `TinyLlama.generate_greedy` in a side process
-(`python -m kvferry.reference`), at low CPU priority so that the system under test gets the CPU first,
+(`python -m kvferry.harness.reference`), at low CPU priority so that the system under test gets the CPU first,
 with the same BLAS thread count as the instances (greedy outputs are bit-identical only for one)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import tempfile
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvferry.workload import WorkItem, blas_env
+from kvferry.harness.client import WorkItem
+from kvferry.harness.processes import blas_env
 
 
 class ReferenceWorker:
@@ -31,7 +32,7 @@ class ReferenceWorker:
         self._done = threading.Event()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.reference", "--seed", str(seed)],
+            [sys.executable, "-m", "kvferry.harness.reference", "--seed", str(seed)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -99,7 +100,7 @@ class ReferenceWorker:
 def _reference_main(argv: Sequence[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvferry.reference")
+    parser = argparse.ArgumentParser(prog="python -m kvferry.harness.reference")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     with contextlib.suppress(OSError):

@@ -44,19 +44,12 @@ from rich.table import Table
 from rich.text import Text
 
 from kvferry.connector.faults import FaultSpec
-from kvferry.demo_plot import write_plot
-from kvferry.demo_report import BYTES, RECOMPUTED, TRANSFERS, DemoRun, build_report, print_report
-from kvferry.reference import ReferenceWorker
-from kvferry.workload import (
-    PDSystem,
-    PDSystemConfig,
-    SystemSampler,
-    default_blas_threads,
-    is_drained,
-    make_workload,
-    new_results,
-    run_workload,
-)
+from kvferry.harness.client import make_workload, new_results, run_workload
+from kvferry.harness.plot import write_plot
+from kvferry.harness.processes import PDSystem, PDSystemConfig, default_blas_threads
+from kvferry.harness.reference import ReferenceWorker
+from kvferry.harness.report import BYTES, RECOMPUTED, TRANSFERS, DemoRun, build_report, print_report
+from kvferry.harness.sampler import SystemSampler, is_drained
 
 DEFAULT_FAULTS = "transport=0.06,corrupt=0.04,error_reply=0.04,seed=7"
 
@@ -383,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvferry.demo` until the CLI wires `kvferry demo`."""
+    """`python -m kvferry.harness.demo` until the CLI wires `kvferry demo`."""
     parser = argparse.ArgumentParser(prog="kvferry demo", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -13,8 +13,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvferry.reference import ReferenceWorker
-from kvferry.workload import PDSystem, RequestResult, SystemSampler, WorkItem, percentile
+from kvferry.harness.client import RequestResult, WorkItem, percentile
+from kvferry.harness.processes import PDSystem
+from kvferry.harness.reference import ReferenceWorker
+from kvferry.harness.sampler import SystemSampler
 
 FAILURES = "kvferry_kv_load_failures_total"
 BYTES = "kvferry_kv_transfer_bytes_total"

@@ -25,18 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
-from kvferry.reference import ReferenceWorker
-from kvferry.workload import (
-    ManagedProcess,
-    PDSystem,
-    PDSystemConfig,
-    RequestResult,
-    make_workload,
-    new_results,
-    run_workload,
-    wait_all_healthy,
-    wait_drained,
-)
+from kvferry.harness.client import RequestResult, make_workload, new_results, run_workload
+from kvferry.harness.processes import ManagedProcess, PDSystem, PDSystemConfig, wait_all_healthy
+from kvferry.harness.reference import ReferenceWorker
+from kvferry.harness.sampler import wait_drained
 
 ABORT_TIMEOUT_S = 2.0  # P's "not ready" answer; D's receive timeout is this + 5 s
 FREEZE_S = 2.5  # longer than D's heartbeat timeout

@@ -1,0 +1,203 @@
+"""The HTTP load client: deterministic workloads, streaming completions, outcomes and percentiles.
+
+`run_workload` sends OpenAI-style streaming completions with bounded concurrency, so TTFT is measured (an
+instance sends its response headers only once the first token exists, so TTFT is the time to the
+response headers); every outcome is classified (ok, failed with a cause, stuck, error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    index: int
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_workload(
+    n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[int, int] = (8, 32), long_share: float = 0.12
+) -> list[WorkItem]:
+    """n requests of byte token ids, deterministic in (n, seed, ...).
+
+    Lengths: the block edges 1, 15, 16, 17 and one `max_prompt`, then mostly short (2..128), some medium
+    (129..512) and `long_share` long ones (513..max_prompt), shuffled so long prompts are spread out.
+    """
+    rng = random.Random(seed)
+    edges = [k for k in (1, 15, 16, 17, max_prompt) if k <= max_prompt]
+    lengths = edges[:n]
+    while len(lengths) < n:
+        draw = rng.random()
+        if draw < long_share and max_prompt > 512:
+            lengths.append(rng.randint(513, max_prompt))
+        elif draw < long_share + 0.3 and max_prompt > 128:
+            lengths.append(rng.randint(129, min(512, max_prompt)))
+        else:
+            lengths.append(rng.randint(min(2, max_prompt), min(128, max_prompt)))
+    rng.shuffle(lengths)
+    lo, hi = max_tokens
+    return [
+        WorkItem(i, [rng.randrange(256) for _ in range(k)], rng.randint(lo, hi))
+        for i, k in enumerate(lengths)
+    ]
+
+
+@dataclass
+class RequestResult:
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    # "pending" | "running" | "ok" | "failed" (HTTP 500 kv_load_failed) | "stuck" | "error"
+    outcome: str = "pending"
+    sent_at: float | None = None  # seconds since the run started
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    http_status: int | None = None
+    text: str = ""
+    error_type: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    transfer_id: str | None = None  # the proxy's x-kvferry-transfer-id (its last attempt)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.sent_at is None or self.first_token_at is None or self.outcome != "ok":
+            return None
+        return self.first_token_at - self.sent_at
+
+    @property
+    def latency(self) -> float | None:
+        if self.sent_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.sent_at
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("text")
+        d["ttft_s"], d["latency_s"] = self.ttft, self.latency
+        return d
+
+
+def _error_fields(content: bytes | str) -> tuple[str | None, str | None, str]:
+    try:
+        body = json.loads(content)
+        error = body.get("error") if isinstance(body, dict) else None
+    except ValueError:
+        error = None
+    if not isinstance(error, dict):
+        text = content.decode(errors="replace") if isinstance(content, bytes) else content
+        return None, None, text[:300]
+    code = error.get("code")
+    return error.get("type"), None if code in (None, "") else str(code), str(error.get("message", ""))[:300]
+
+
+DONE: dict[str, Any] = {}  # what `sse_event` returns for the stream's final `data: [DONE]`
+
+
+def sse_event(line: str) -> dict[str, Any] | None:
+    """One line of an OpenAI completion stream: its JSON event, `DONE`, or None (not a data line)."""
+    if not line.startswith("data: "):
+        return None
+    data = line[len("data: ") :]
+    if data == "[DONE]":
+        return DONE
+    event: dict[str, Any] = json.loads(data)
+    return event
+
+
+async def run_request(
+    client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float, timeout: float
+) -> None:
+    """One streaming completion; fills `result` (times relative to the monotonic `t0`)."""
+    body = {
+        "prompt": item.prompt,
+        "max_tokens": item.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    result.outcome, result.sent_at = "running", time.monotonic() - t0
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                result.http_status = response.status_code
+                result.transfer_id = response.headers.get("x-kvferry-transfer-id")
+                if response.status_code != 200:
+                    content = await response.aread()
+                    result.error_type, result.error_code, result.error_message = _error_fields(content)
+                    kv_failed = response.status_code == 500 and result.error_type == "kv_load_failed"
+                    result.outcome = "failed" if kv_failed else "error"
+                    return
+                result.first_token_at = time.monotonic() - t0
+                parts: list[str] = []
+                done = False
+                async for line in response.aiter_lines():
+                    event = sse_event(line)
+                    if event is None:
+                        continue
+                    if event is DONE:
+                        done = True
+                        break
+                    if "error" in event:  # an error after the stream started
+                        error = event["error"]
+                        result.error_type, result.error_code = error.get("type"), error.get("code")
+                        result.error_message = str(error.get("message", ""))[:300]
+                        result.outcome = "error"
+                        return
+                    parts.append(event["choices"][0]["text"])
+                result.text = "".join(parts)
+                if done:
+                    result.outcome = "ok"
+                else:
+                    result.outcome, result.error_message = "error", "stream ended without [DONE]"
+    except TimeoutError:
+        result.outcome, result.error_message = "stuck", f"no complete answer within {timeout:.0f}s"
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        result.outcome, result.error_message = "error", repr(exc)[:300]
+    finally:
+        result.finished_at = time.monotonic() - t0
+
+
+async def run_workload(
+    url: str,
+    items: Sequence[WorkItem],
+    results: Sequence[RequestResult],
+    t0: float,
+    concurrency: int = 4,
+    timeout: float = 90.0,
+) -> None:
+    """Send every item (at most `concurrency` in flight); `results[i]` is updated in place as it goes."""
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as client:
+
+        async def one(item: WorkItem, result: RequestResult) -> None:
+            async with semaphore:
+                await run_request(client, url, item, result, t0, timeout)
+
+        await asyncio.gather(*(one(item, result) for item, result in zip(items, results, strict=True)))
+
+
+def new_results(items: Iterable[WorkItem]) -> list[RequestResult]:
+    return [RequestResult(item.index, len(item.prompt), item.max_tokens) for item in items]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

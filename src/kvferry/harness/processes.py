@@ -1,0 +1,241 @@
+"""Start, watch and stop a P/D system of `python -m kvferry serve|proxy` processes on loopback ports.
+
+Every process is stopped by its own pid (SIGTERM, then SIGKILL), also when the caller fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO
+
+import httpx
+
+LOOPBACK = "127.0.0.1"
+BLAS_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+# Ports handed to children are picked below Linux's ephemeral range (32768-60999 by default): a port the
+# kernel gives to some bind(0) or outgoing connection meanwhile can then never collide with them.
+_PORT_RANGE = (20000, 32000)
+_port_rng = random.Random()
+
+
+def free_port() -> int:
+    """A loopback port that is free now, for a process about to be started with it."""
+    for _ in range(200):
+        port = _port_rng.randrange(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: let the kernel choose
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def blas_env(threads: int) -> dict[str, str]:
+    """The environment that pins every BLAS library to `threads` threads."""
+    return {name: str(threads) for name in BLAS_ENV_VARS}
+
+
+def default_blas_threads() -> int:
+    """OPENBLAS_NUM_THREADS if the user set it, else 1 (several numpy processes share few cores)."""
+    try:
+        return max(1, int(os.environ.get("OPENBLAS_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+class ManagedProcess:
+    """One `python -m kvferry ...` child; output goes to a temporary log file, stop() is by pid."""
+
+    def __init__(self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.args = list(args)
+        self.url = url
+        self._log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
+            prefix=f"kvferry-{name}-", suffix=".log", delete=False
+        )
+        self.log_path = self._log.name
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "kvferry", *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def exited(self) -> int | None:
+        return self.popen.poll()
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def output_tail(self, chars: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            self._log.flush()
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")[-chars:]
+        return ""
+
+    def terminate(self) -> None:
+        """Ask the process to exit (SIGTERM; SIGCONT first in case it was stopped)."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+                os.kill(self.pid, signal.SIGTERM)
+
+    def stop(self, keep_log: bool = False) -> None:
+        """Terminate, wait up to 10 s, then SIGKILL; always by this process's own pid."""
+        if self.popen.poll() is None:
+            self.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=10)
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+        self._log.close()
+        if not keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+
+
+def wait_all_healthy(procs: Sequence[ManagedProcess], timeout: float) -> None:
+    """Wait until every process answers /health; raise with the process's log if one exits or times out."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            code = proc.exited()
+            if code is not None:
+                raise RuntimeError(
+                    f"{proc.name} exited with {code} before it was healthy:\n{proc.output_tail()}"
+                )
+            if proc.healthy():
+                pending.remove(proc)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise TimeoutError(f"{names} not healthy after {timeout:.0f}s:\n{pending[0].output_tail()}")
+        time.sleep(0.05)
+
+
+@dataclass
+class PDSystemConfig:
+    seed: int = 0
+    policy: str = "recompute"
+    faults: str = ""
+    num_blocks: int = 2048
+    block_size: int = 16
+    p_tp: int = 1
+    d_tp: int = 1
+    abort_timeout: float = 10.0
+    kv_load_deadline: float = 20.0
+    blas_threads: int = 1
+    log_level: str = "warning"
+    serve_args: tuple[str, ...] = ()  # more flags for both instances
+    proxy_args: tuple[str, ...] = ()  # more flags for the proxy (e.g. --retries)
+
+
+def _flags(**options: object) -> list[str]:
+    """`--name value` pairs; underscores in a name become dashes."""
+    out: list[str] = []
+    for name, value in options.items():
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+class PDSystem:
+    """One prefill instance, one decode instance and the proxy, on free loopback ports.
+
+    Use as a context manager (or call stop() in a finally): every process it started is stopped by pid,
+    also when the body raises or the user presses Ctrl-C.
+    """
+
+    def __init__(self, config: PDSystemConfig) -> None:
+        self.config = config
+        self.procs: list[ManagedProcess] = []
+        self.prefill: ManagedProcess | None = None
+        self.decode: ManagedProcess | None = None
+        self.proxy: ManagedProcess | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start P, D and the proxy (all at once) and wait until every one answers /health."""
+        c = self.config
+        env = blas_env(c.blas_threads)
+        common = _flags(
+            host=LOOPBACK,
+            seed=c.seed,
+            num_blocks=c.num_blocks,
+            block_size=c.block_size,
+            kv_load_failure_policy=c.policy,
+            abort_timeout=c.abort_timeout,
+            kv_load_deadline=c.kv_load_deadline,
+            log_level=c.log_level,
+        )
+        if c.faults:
+            common += _flags(faults=c.faults)
+        common += c.serve_args
+        p_port, d_port, proxy_port = free_port(), free_port(), free_port()
+        p_args = _flags(role="prefill", port=p_port, tp=c.p_tp, bootstrap_port=free_port())
+        self.prefill = self._spawn("prefill", ["serve", *p_args, *common], p_port, env)
+        d_args = _flags(role="decode", port=d_port, tp=c.d_tp)
+        self.decode = self._spawn("decode", ["serve", *d_args, *common], d_port, env)
+        proxy_args = _flags(
+            host=LOOPBACK,
+            port=proxy_port,
+            prefill=self.prefill.url,
+            decode=self.decode.url,
+            log_level=c.log_level,
+        )
+        self.proxy = self._spawn("proxy", ["proxy", *proxy_args, *c.proxy_args], proxy_port, env)
+        wait_all_healthy(self.procs, timeout)
+
+    def _spawn(self, name: str, args: list[str], port: int, env: dict[str, str]) -> ManagedProcess:
+        proc = ManagedProcess(name, args, f"http://{LOOPBACK}:{port}", env)
+        self.procs.append(proc)
+        return proc
+
+    def dead(self) -> list[str]:
+        """Names (and exit codes) of processes that exited on their own."""
+        return [f"{p.name} (exit {code})" for p in self.procs if (code := p.exited()) is not None]
+
+    def stop(self, keep_logs: bool = False) -> None:
+        for proc in reversed(self.procs):  # all at once, then wait for each
+            with contextlib.suppress(Exception):
+                proc.terminate()
+        for proc in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                proc.stop(keep_log=keep_logs)
+
+    def __enter__(self) -> PDSystem:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

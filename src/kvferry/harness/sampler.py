@@ -1,0 +1,154 @@
+"""Live state of a running system: Prometheus text from /metrics and JSON from /debug/state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class MetricSnapshot:
+    """Samples of one /metrics page: name → list of (labels, value)."""
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
+        return sum(
+            v
+            for lab, v in self.samples.get(name, [])
+            if all(lab.get(k) == want for k, want in labels.items())
+        )
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for lab, v in self.samples.get(name, []):
+            if label in lab:
+                out[lab[label]] = out.get(lab[label], 0.0) + v
+        return out
+
+
+def parse_metrics(text: str) -> MetricSnapshot:
+    snap = MetricSnapshot()
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        snap.samples.setdefault(m.group(1), []).append((labels, value))
+    return snap
+
+
+async def fetch_metrics(client: httpx.AsyncClient, url: str) -> MetricSnapshot:
+    response = await client.get(f"{url}/metrics", timeout=5.0)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+async def fetch_state(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    response = await client.get(f"{url}/debug/state", timeout=10.0)
+    response.raise_for_status()
+    state: dict[str, Any] = response.json()
+    return state
+
+
+def wait_drained(urls: Sequence[str], timeout: float) -> list[dict[str, Any] | None]:
+    """Poll /debug/state until every instance is idle (all blocks free, no pending transfers, no requests)
+    or `timeout` passes; return the last states (None where an instance did not answer)."""
+    deadline = time.monotonic() + timeout
+    states: list[dict[str, Any] | None] = [None] * len(urls)
+    while True:
+        for i, url in enumerate(urls):
+            try:
+                states[i] = httpx.get(f"{url}/debug/state", timeout=5.0).json()
+            except (httpx.HTTPError, ValueError):
+                states[i] = None
+        if all(s is not None and is_drained(s) for s in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.2)
+
+
+def is_drained(state: dict[str, Any]) -> bool:
+    return bool(
+        state.get("blocks_free") == state.get("blocks_total")
+        and not state.get("pending_pulls")
+        and not state.get("pending_sends")
+        and not state.get("requests_by_status")
+    )
+
+
+class SystemSampler:
+    """Polls /metrics and /debug/state of each instance, each on its own loop, every `interval` seconds.
+
+    `metrics[name]` and `states[name]` are lists of (seconds since `t0`, value) of the answers that came
+    back; a loop waiting on a busy engine (/debug/state runs on the engine thread) delays only itself.
+    """
+
+    def __init__(self, urls: dict[str, str], t0: float, interval: float = 0.25) -> None:
+        self.urls = dict(urls)
+        self.t0 = t0
+        self.interval = interval
+        self.metrics: dict[str, list[tuple[float, MetricSnapshot]]] = {name: [] for name in urls}
+        self.states: dict[str, list[tuple[float, dict[str, Any]]]] = {name: [] for name in urls}
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def latest_state(self, name: str) -> tuple[float, dict[str, Any]] | None:
+        series = self.states[name]
+        return series[-1] if series else None
+
+    async def poll_metrics(self, client: httpx.AsyncClient, name: str) -> bool:
+        try:
+            snapshot = await fetch_metrics(client, self.urls[name])
+        except (httpx.HTTPError, ValueError):
+            return False
+        self.metrics[name].append((self.now(), snapshot))
+        return True
+
+    async def poll_state(self, client: httpx.AsyncClient, name: str) -> bool:
+        asked = self.now()  # stamped when asked: the state is at least this fresh
+        try:
+            state = await fetch_state(client, self.urls[name])
+        except (httpx.HTTPError, ValueError):
+            return False
+        self.states[name].append((asked, state))
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll until `stop` is set; every loop polls once more after that, so the end is seen."""
+
+        async def loop(
+            poll: Callable[[httpx.AsyncClient, str], Any], client: httpx.AsyncClient, name: str
+        ) -> None:
+            while True:
+                started = time.monotonic()
+                await poll(client, name)
+                if stop.is_set():
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        stop.wait(), max(0.0, self.interval - (time.monotonic() - started))
+                    )
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
+            await asyncio.gather(
+                *(loop(self.poll_metrics, client, name) for name in self.urls),
+                *(loop(self.poll_state, client, name) for name in self.urls),
+            )
