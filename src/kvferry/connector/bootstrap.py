@@ -65,6 +65,12 @@ class BootstrapServer:
             ranks = [RankInfo(r.tp_rank, r.control_addr) for r in sorted(regs.values(), key=lambda r: r.tp_rank)]
             return EngineInfo(engine_id, tp_size, ranks)
 
+    def engines(self) -> list[EngineInfo]:
+        """Every fully registered engine, in the order the first rank of each registered."""
+        with self._lock:
+            names = list(self._engines)
+        return [info for name in names if (info := self.lookup(name)) is not None]
+
     def app(self) -> FastAPI:
         app = FastAPI(title="kvferry bootstrap")
 
@@ -77,9 +83,13 @@ class BootstrapServer:
             return {"status": "ok"}
 
         @app.get("/query")
-        async def query(engine_id: str, transfer_id: str | None = None) -> dict[str, object]:
+        async def query(engine_id: str | None = None, transfer_id: str | None = None) -> dict[str, object]:
             if transfer_id and self.faults.fault_for(transfer_id) == "bootstrap":
                 raise HTTPException(503, "injected bootstrap fault")
+            if engine_id is None:
+                # vllm-router (Mooncake mode) and sglang's D ask without an engine: every engine
+                # whose ranks have all registered, keyed by its data-parallel rank as a string.
+                return {str(dp_rank): msgspec.to_builtins(info) for dp_rank, info in enumerate(self.engines())}
             info = self.lookup(engine_id)
             if info is None:
                 raise HTTPException(404, f"unknown engine {engine_id!r}")

@@ -19,6 +19,7 @@ from kvferry.engine.engine import Engine, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.tokenizer import VOCAB_SIZE, IncrementalDetokenizer, encode
+from kvferry.serving.pd_protocols import EngineResolver, ProtocolError, translate
 from kvferry.serving.protocol import (
     COMPLETION_200,
     METRICS_200,
@@ -69,12 +70,26 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
         state = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot)
         return JSONResponse(state)
 
+    resolver = EngineResolver()
+
     @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 500)})
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
-        response = await _completions(body, http_request)
-        if response.status_code == 400 and (body.kv_transfer_params or {}).get("do_remote_prefill"):
+        request_id = new_request_id()
+        try:
+            pd = translate(engine.config.role, body.kv_transfer_params, body.model_extra or {}, request_id)
+        except ProtocolError as exc:
+            return _bad_request(str(exc))
+        params = pd.kv_transfer_params
+        if pd.sglang_room is not None and params is not None:
+            try:
+                params["remote_engine_id"] = await resolver.engine_for(params["remote_bootstrap_addr"], pd.sglang_room)
+            except LookupError as exc:
+                engine.metrics.kv_load_failures.labels(cause="bootstrap").inc()
+                return JSONResponse(error_body(str(exc), "kv_load_failed", "bootstrap"), status_code=500)
+        max_tokens = 1 if pd.prefill_only else body.max_tokens
+        response = await _completions(body, http_request, request_id, params, max_tokens)
+        if response.status_code == 400 and (params or {}).get("do_remote_prefill"):
             # Turned away here, but P already prefills it (the proxy asks both at once): free P now.
-            params = body.kv_transfer_params
             try:
                 validate_kv_transfer_params(params)
             except KVTransferParamsError:
@@ -82,7 +97,10 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
             engine.reject(EngineRequest(new_request_id(), [], SamplingParams(), params, time.time()))
         return response
 
-    async def _completions(body: CompletionRequest, http_request: Request) -> Response:
+    async def _completions(
+        body: CompletionRequest, http_request: Request, request_id: str, kv_params: dict[str, Any] | None,
+        max_tokens: int,
+    ) -> Response:
         if isinstance(body.prompt, str):
             prompt_ids = encode(body.prompt)
         else:
@@ -91,21 +109,20 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
                 return _bad_request(f"prompt token ids must be in [0, {VOCAB_SIZE})")
         if not prompt_ids:
             return _bad_request("prompt must not be empty")
-        total = len(prompt_ids) + body.max_tokens
+        total = len(prompt_ids) + max_tokens
         if total > max_len:
             return _bad_request(f"prompt ({len(prompt_ids)} tokens) + max_tokens exceeds the maximum length {max_len}")
         if -(-total // engine.config.block_size) > max_prompt_blocks:
             return _bad_request("prompt + max_tokens needs more KV blocks than this instance has")
         try:
-            validate_kv_transfer_params(body.kv_transfer_params)
+            validate_kv_transfer_params(kv_params)
         except KVTransferParamsError as exc:
             return _bad_request(f"kv_transfer_params: {exc}")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if any(not s for s in stop):
             return _bad_request("stop strings must not be empty")
-        params = SamplingParams(body.max_tokens, body.temperature, body.seed, stop, (), body.ignore_eos)
-        request_id = new_request_id()
-        request = EngineRequest(request_id, prompt_ids, params, body.kv_transfer_params, time.time())
+        params = SamplingParams(max_tokens, body.temperature, body.seed, stop, (), body.ignore_eos)
+        request = EngineRequest(request_id, prompt_ids, params, kv_params, time.time())
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

@@ -1,0 +1,139 @@
+"""The P/D protocols an instance speaks, turned into kvferry's own `kv_transfer_params` in one place.
+
+- kvferry / vLLM Mooncake proxy: `kv_transfer_params` with `transfer_id` (passed through).
+- vllm-router, NIXL mode: `do_remote_decode` with no `transfer_id` and null `remote_*` keys → P makes a
+  transfer id from its request id and returns it in its answer, which the router hands to D.
+- vllm-router, Mooncake mode: `remote_bootstrap_addr` as `http://host:port` → the scheme is dropped.
+- sglang-router: no `kv_transfer_params`, but `bootstrap_host` / `bootstrap_port` / `bootstrap_room`,
+  sent to P and D at once. P prefills only (one token), under the transfer id `room-<room>`; D pulls that
+  transfer from the bootstrap server named in the request, asking it which engine serves the room.
+
+A request whose P/D fields this instance cannot honour is refused (`ProtocolError` → HTTP 400): a P/D
+request must never be computed in full on both sides without anyone noticing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+SGLANG_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+_NULLABLE = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_bootstrap_addr")
+_MAX_ROOM = 2**64 - 1
+_ENGINE_CACHE_S = 10.0
+
+
+class ProtocolError(ValueError):
+    """The request's P/D fields cannot be honoured here (the API answers 400 with this message)."""
+
+
+@dataclass(frozen=True)
+class PDRequest:
+    """What the engine is asked to do with one request."""
+
+    kv_transfer_params: dict[str, Any] | None
+    protocol: str  # "none" | "kvferry" | "vllm-router" | "sglang"
+    prefill_only: bool = False  # P of sglang's protocol: one token, whatever max_tokens says
+    # D of sglang's protocol: P's engine is looked up by this room before the request is submitted.
+    sglang_room: int | None = None
+
+
+def sglang_transfer_id(room: int) -> str:
+    return f"room-{room}"
+
+
+def translate(role: str, params: dict[str, Any] | None, extra: dict[str, Any], request_id: str) -> PDRequest:
+    """Map the request's P/D fields (whatever protocol they follow) onto kvferry's `kv_transfer_params`."""
+    sglang = {k: extra[k] for k in SGLANG_FIELDS if extra.get(k) is not None}
+    if sglang and params:
+        raise ProtocolError("a request carries either kv_transfer_params or sglang's bootstrap_* fields, not both")
+    if sglang:
+        return _sglang(role, sglang)
+    if not params:
+        return PDRequest(None, "none")
+    params = {k: v for k, v in params.items() if not (k in _NULLABLE and v is None)}
+    remote_decode, remote_prefill = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
+    if remote_decode and remote_prefill:
+        raise ProtocolError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
+    if not (remote_decode or remote_prefill):
+        return PDRequest(params or None, "none")  # no P/D direction (e.g. both flags false): plain
+    _check_role(role, "prefill" if remote_decode else "decode")
+    protocol = "kvferry"
+    if remote_decode and "transfer_id" not in params:
+        params["transfer_id"] = f"xfer-{request_id}"  # vllm-router (NIXL): P names the transfer
+        protocol = "vllm-router"
+    addr = params.get("remote_bootstrap_addr")
+    if isinstance(addr, str) and addr.startswith("http://"):
+        params["remote_bootstrap_addr"] = addr.removeprefix("http://").rstrip("/")
+        protocol = "vllm-router"
+    return PDRequest(params, protocol)
+
+
+def _check_role(role: str, needed: str) -> None:
+    if role != needed:
+        what = "a colocated instance (role both)" if role == "both" else f"a {role} instance"
+        raise ProtocolError(f"this P/D request needs a {needed} instance, but this is {what}")
+
+
+def _sglang(role: str, fields: dict[str, Any]) -> PDRequest:
+    missing = [k for k in SGLANG_FIELDS if k not in fields]
+    if missing:
+        raise ProtocolError(f"sglang P/D request without {', '.join(missing)}")
+    host, port, room = fields["bootstrap_host"], fields["bootstrap_port"], fields["bootstrap_room"]
+    if not isinstance(host, str) or not host or len(host) > 255 or any(c in host for c in "/:@ "):
+        raise ProtocolError("bootstrap_host must be a host name or IPv4 address")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ProtocolError("bootstrap_port must be an integer port")
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= _MAX_ROOM:
+        raise ProtocolError("bootstrap_room must be an unsigned 64-bit integer")
+    if role == "prefill":
+        params = {"do_remote_decode": True, "transfer_id": sglang_transfer_id(room)}
+        return PDRequest(params, "sglang", prefill_only=True)
+    _check_role(role, "decode")
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": sglang_transfer_id(room),
+        "remote_bootstrap_addr": f"{host}:{port}",
+    }
+    return PDRequest(params, "sglang", sglang_room=room)
+
+
+class EngineResolver:
+    """sglang's D knows P's bootstrap server and the room, not P's engine id: ask the server (cached).
+
+    The server lists its engines by data-parallel rank; the room picks one, as SGLang's own prefill
+    ranks do (`room % number of ranks`).
+    """
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self._timeout_s = timeout_s
+        self._cache: dict[str, tuple[float, list[str]]] = {}
+
+    async def engine_for(self, bootstrap_addr: str, room: int) -> str:
+        engines = await self._engines(bootstrap_addr)
+        return engines[room % len(engines)]
+
+    def forget(self, bootstrap_addr: str) -> None:
+        self._cache.pop(bootstrap_addr, None)
+
+    async def _engines(self, bootstrap_addr: str) -> list[str]:
+        cached = self._cache.get(bootstrap_addr)
+        if cached is not None and time.monotonic() - cached[0] < _ENGINE_CACHE_S:
+            return cached[1]
+        try:
+            async with httpx.AsyncClient(timeout=self._timeout_s) as client:
+                response = await client.get(f"http://{bootstrap_addr}/query")
+            ranks = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            raise LookupError(f"bootstrap server {bootstrap_addr} unreachable: {exc!r}") from exc
+        if not isinstance(ranks, dict) or not ranks:
+            raise LookupError(f"bootstrap server {bootstrap_addr} lists no prefill engine")
+        try:
+            engines = [str(ranks[k]["engine_id"]) for k in sorted(ranks, key=int)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LookupError(f"bootstrap server {bootstrap_addr} sent a malformed engine list") from exc
+        self._cache[bootstrap_addr] = (time.monotonic(), engines)
+        return engines
