@@ -9,9 +9,9 @@ pulled the KV instead of computing the prompt itself.
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,19 +120,12 @@ def test_sglang_router_flow(system: tuple[Proc, Proc, Proc, str]) -> None:
     p_before, d_before = transfers(p), transfers(d)
     for row, want in zip(rows, expected, strict=True):
         body = {**row["body"], "bootstrap_host": host, "bootstrap_port": int(port)}
-        answers: dict[str, httpx.Response] = {}
-
-        def post(name: str, url: str, body: dict[str, Any] = body) -> None:
-            answers[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-
-        threads = [threading.Thread(target=post, args=(n, u)) for n, u in (("P", p.url), ("D", d.url))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(2) as pool:  # at once, as the router does
+            answers = {name: pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+                       for name, url in (("P", p.url), ("D", d.url))}
         stream = bool(body["stream"])
-        assert len(text_of(answers["P"], stream)) <= 4  # one token: P prefilled only
-        assert text_of(answers["D"], stream) == want
+        assert len(text_of(answers["P"].result(), stream)) <= 4  # one token: P prefilled only
+        assert text_of(answers["D"].result(), stream) == want
     assert transfers(d) == d_before + len(rows)
     assert transfers(p) == p_before + len(rows)
     wait_clean(p, d)
