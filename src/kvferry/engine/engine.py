@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 
 # While transfers are pending the engine polls its worker this often even with nothing to compute.
 _POLL_INTERVAL_S = 0.001
+# The engine thread publishes its state for /debug/state at most this often (and whenever idle).
+_PUBLISH_INTERVAL_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is gone (it died or was stopped): nothing submitted now would ever run."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,11 @@ class Engine:
         self.metrics.kv_blocks_free.set(config.num_blocks)
         self.fatal_error: BaseException | None = None
         self._connector_step = False
+        # Held across "is the thread alive?" + put, and across the dying thread's last drain, so no
+        # command can be queued after that drain (it would never run and its caller would wait forever).
+        self._call_lock = threading.Lock()
+        self._published: dict[str, Any] | None = None
+        self._published_at = 0.0
 
     # ---- thread-safe API --------------------------------------------------------------------------
     def start(self) -> None:
@@ -112,22 +123,40 @@ class Engine:
         if self.scheduler_connector is not self.worker_connector:
             self.scheduler_connector.close()
 
+    @property
+    def alive(self) -> bool:
+        return self.fatal_error is None and not self._stopped.is_set()
+
     def submit(self, request: Request, sink: Sink) -> None:
+        """Queue a request; raises EngineDeadError (and never calls sink) when the engine is gone."""
         self._call(lambda: self._add(request, sink))
 
     def abort(self, request_id: str) -> None:
-        self._call(lambda: self._abort(request_id))
+        if self.alive:  # a dead engine has already failed every stream: nothing left to abort
+            self._call(lambda: self._abort(request_id), quiet=True)
 
     def reject(self, request: Request) -> None:
         """A request the API turned away before the engine saw it: its connector may still owe a peer
         something (D tells P to free the prefill it holds for this request)."""
-        self._call(lambda: self._reject(request))
+        if self.alive:
+            self._call(lambda: self._reject(request), quiet=True)
 
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
         """State for /debug/state, computed on the engine thread so no step pays for it."""
         future: Future[dict[str, Any]] = Future()
-        self._call(lambda: future.set_result(self._snapshot()))
+
+        def command() -> None:
+            try:
+                future.set_result(self._snapshot())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._call(command)
         return future.result(timeout=timeout)
+
+    def published_state(self) -> dict[str, Any] | None:
+        """The state the engine thread last published (between steps), or None before the first."""
+        return self._published
 
     def run_until_idle(self, max_steps: int = 100_000) -> int:
         """Drive the engine on the calling thread (tests, benches; never with start()). Returns steps."""
@@ -140,16 +169,21 @@ class Engine:
             self.step()
         raise RuntimeError(f"engine not idle after {max_steps} steps")
 
-    def _call(self, command: Callable[[], None]) -> None:
-        if self._stopped.is_set():
-            raise RuntimeError("engine is stopped")
-        self._commands.put(command)
+    def _call(self, command: Callable[[], None], quiet: bool = False) -> None:
+        with self._call_lock:
+            if not self.alive:
+                if quiet:
+                    return
+                why = f"engine thread died: {self.fatal_error!r}" if self.fatal_error else "engine is stopped"
+                raise EngineDeadError(why)
+            self._commands.put(command)
         self._wakeup.set()
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         idle_checked = False
         try:
+            self._publish(force=True)
             while not self._stopped.is_set():
                 self._drain_commands()
                 s = self.scheduler
@@ -157,21 +191,38 @@ class Engine:
                     idle_checked = False
                     self._connector_step = False
                     self.step()
+                    self._publish()
                     if not s.has_unfinished:
                         self._wakeup.wait(_POLL_INTERVAL_S)
                         self._wakeup.clear()
                     continue
                 if not idle_checked:
                     s.check_integrity()
+                    self._publish(force=True)
                     idle_checked = True
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
         except BaseException as exc:  # an engine bug: fail every stream loudly rather than hang them
             log.exception("engine core died")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._call_lock:
             self.fatal_error = exc
-            for request_id, stream in list(self._streams.items()):
-                stream.sink(RequestOutput(request_id, [], True, "error", "engine_error", repr(exc)))
-            self._streams.clear()
+        # No command can be queued any more; run what was queued in dead mode (submits fail at once).
+        try:
+            self._drain_commands()
+        except BaseException:
+            log.exception("draining commands of a dead engine")
+        message = f"engine thread died: {exc!r}"
+        for request_id, stream in list(self._streams.items()):
+            try:
+                stream.sink(RequestOutput(request_id, [], True, "error", "engine_error", message))
+            except Exception:
+                log.exception("output sink for %s failed", request_id)
+        self._streams.clear()
+        if self._published is not None:
+            self._published = {**self._published, "fatal_error": message}
 
     def _drain_commands(self) -> None:
         while True:
@@ -179,9 +230,24 @@ class Engine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            if self.fatal_error is None:
+                command()
+                continue
+            try:  # dead mode: one failing command must not strand the ones behind it
+                command()
+            except Exception:
+                log.exception("command on a dead engine")
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._published_at >= _PUBLISH_INTERVAL_S:
+            self._published, self._published_at = self._snapshot(), now
 
     def _add(self, request: Request, sink: Sink) -> None:
+        if self.fatal_error is not None:
+            sink(RequestOutput(request.request_id, [], True, "error", "engine_error",
+                               f"engine thread died: {self.fatal_error!r}"))
+            return
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry.connector.pd import KVTransferParamsError, validate_kv_transfer_params
-from kvferry.engine.engine import Engine, RequestOutput
+from kvferry.engine.engine import Engine, EngineDeadError, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.tokenizer import VOCAB_SIZE, IncrementalDetokenizer, encode
@@ -34,6 +34,8 @@ from kvferry.serving.protocol import (
 MODEL_NAME = "kvferry-tiny-llama"
 # How often a non-streaming handler checks whether its client went away.
 _DISCONNECT_POLL_S = 0.25
+# /debug/state waits this long for a fresh snapshot, then serves the one the engine last published.
+_SNAPSHOT_WAIT_S = 0.5
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -56,8 +58,9 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if engine.fatal_error is not None:
-            return JSONResponse({"status": "error", "error": repr(engine.fatal_error)}, status_code=503)
+        if not engine.alive:
+            why = repr(engine.fatal_error) if engine.fatal_error is not None else "engine stopped"
+            return JSONResponse({"status": "error", "error": why}, status_code=503)
         info = {"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id}
         return JSONResponse({**info, **(health_extra or {})})
 
@@ -67,12 +70,20 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
 
     @app.get("/debug/state")
     async def debug_state() -> JSONResponse:
-        state = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot)
-        return JSONResponse(state)
+        # Never a 5xx: a long step (or a dead engine) gets the last published state, marked stale.
+        try:
+            state = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot, _SNAPSHOT_WAIT_S)
+            return JSONResponse({**state, "stale": False})
+        except (TimeoutError, EngineDeadError):
+            pass
+        published = engine.published_state() or {"role": engine.config.role, "engine_id": engine.config.engine_id}
+        age = time.time() - float(published.get("time", time.time()))
+        extra = {"fatal_error": repr(engine.fatal_error)} if engine.fatal_error is not None else {}
+        return JSONResponse({**published, **extra, "stale": True, "age_s": round(age, 3)})
 
     resolver = EngineResolver()
 
-    @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 500)})
+    @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 500, 503)})
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         request_id = new_request_id()
         try:
@@ -129,11 +140,18 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        engine.submit(request, sink)
+        try:
+            engine.submit(request, sink)
+        except EngineDeadError as exc:
+            return _engine_dead(exc)
         call = _Call(engine, request_id, body, stop, outputs, http_request)
         return await (_stream(call) if body.stream else _complete(call))
 
     return app
+
+
+def _engine_dead(exc: EngineDeadError) -> JSONResponse:
+    return JSONResponse(error_body(f"instance unavailable: {exc}", "engine_dead", 503), status_code=503)
 
 
 def _bad_request(message: str) -> JSONResponse:

@@ -73,6 +73,7 @@ _ERROR_DESCRIPTIONS = {
     400: "Invalid request",
     500: "KV load failed (type kv_load_failed, code = the cause) or an engine error",
     502: "An instance could not be reached (proxy)",
+    503: "The instance's engine is dead (type engine_dead); /health answers 503 too",
 }
 # OpenAPI declarations shared by the instance and the proxy.
 COMPLETION_200: dict[int | str, dict[str, Any]] = {
