@@ -1,0 +1,95 @@
+"""Start the production routers (vllm-router, sglang-router) for tests; always stop their process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import httpx
+
+from procs import Proc, free_port
+
+MODES = ("vllm-nixl", "vllm-mooncake", "sglang")
+
+
+def bootstrap_port(p: Proc) -> int:
+    addr = httpx.get(f"{p.url}/health", timeout=5).json()["kv_bootstrap_addr"]
+    return int(addr.rsplit(":", 1)[1])
+
+
+def router_command(mode: str, port: int, prefills: Sequence[Proc], decodes: Sequence[Proc],
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The command line a user would type (docs/deploy.md shows the same)."""
+    host = ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+    decode_args = [a for d in decodes for a in ("--decode", d.url)]
+    if mode == "sglang":
+        prefill_args = [a for p in prefills for a in ("--prefill", p.url, str(bootstrap_port(p)))]
+        return ["sglang-router", "launch", *host, "--pd-disaggregation", *prefill_args, *decode_args, *extra]
+    if mode == "vllm-mooncake":
+        prefill_args = [a for p in prefills for a in ("--prefill", p.url, str(bootstrap_port(p)))]
+        return ["vllm-router", *host, "--vllm-pd-disaggregation", "--kv-connector", "mooncake", *prefill_args,
+                *decode_args, *extra]
+    assert mode == "vllm-nixl", mode
+    prefill_args = [a for p in prefills for a in ("--prefill", p.url)]
+    return ["vllm-router", *host, "--vllm-pd-disaggregation", *prefill_args, *decode_args, *extra]
+
+
+class Router:
+    """One router process in its own session, so that stop() takes every process it started."""
+
+    def __init__(self, command: list[str], url: str) -> None:
+        self.url = url
+        executable = shutil.which(command[0])
+        if executable is None:
+            raise RuntimeError(f"{command[0]} is not installed (pip install -e '.[test]')")
+        self._log = tempfile.NamedTemporaryFile(prefix="kvferry-router-", suffix=".log", delete=False)  # noqa: SIM115
+        self.popen = subprocess.Popen([executable, *command[1:]], stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self._log.name, "rb") as f:
+            return f.read().decode(errors="replace")[-3000:]
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Ready once it answers requests: the routers accept connections only after their workers did."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"router exited with {self.popen.returncode}:\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"router not ready after {timeout}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+        self._log.close()
+        os.unlink(self._log.name)
+
+
+@contextmanager
+def router(mode: str, prefills: Sequence[Proc], decodes: Sequence[Proc],
+           extra: Sequence[str] = ()) -> Iterator[Router]:
+    port = free_port()
+    proc = Router(router_command(mode, port, prefills, decodes, extra), f"http://127.0.0.1:{port}")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
