@@ -55,7 +55,11 @@ def test_dead_engine_thread_fails_in_flight_and_new_requests(engine: Engine) -> 
         for t in threads:
             t.start()
         assert entered.wait(30)
-        release.set()
+        # Both requests are in flight (in the step about to die, or queued behind it).
+        try:
+            wait_until(lambda: engine._commands.qsize() + len(engine._streams) >= 2, 10, "both requests in flight")
+        finally:
+            release.set()
         for t in threads:
             t.join(30)
         assert not any(t.is_alive() for t in threads), "an in-flight request hangs on a dead engine"
