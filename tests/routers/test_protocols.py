@@ -143,6 +143,8 @@ def test_sglang_router_flow(system: tuple[Proc, Proc, Proc, str]) -> None:
         ("decode", {"bootstrap_host": "h", "bootstrap_port": "x", "bootstrap_room": 1}, "bootstrap_port"),
         ("prefill", {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1,
                      "kv_transfer_params": {"do_remote_decode": True}}, "not both"),
+        ("decode", {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "e",
+                                           "remote_bootstrap_addr": "https://h:1"}}, "host:port or http://"),
     ],
 )
 def test_p_d_fields_an_instance_cannot_honour_get_400(role: str, body: dict[str, Any], message: str) -> None:
@@ -180,3 +182,15 @@ def test_sglang_decode_with_unreachable_bootstrap_fails_with_cause() -> None:
     r = httpx.post(f"{d.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "kv_load_failed" and r.json()["error"]["code"] == "bootstrap"
+
+
+def test_sglang_router_info_probes(system: tuple[Proc, Proc, Proc, str]) -> None:
+    p, d, _, bootstrap = system
+    for proc, mode in ((p, "prefill"), (d, "decode")):
+        for path in ("/get_server_info", "/server_info"):
+            info = httpx.get(f"{proc.url}{path}", timeout=5).json()
+            assert info["disaggregation_mode"] == mode and info["model_path"]
+        for path in ("/get_model_info", "/model_info"):
+            assert httpx.get(f"{proc.url}{path}", timeout=5).json()["is_generation"] is True
+    assert httpx.get(f"{p.url}/get_server_info", timeout=5).json()["disaggregation_bootstrap_port"] == int(
+        bootstrap.rsplit(":", 1)[1])

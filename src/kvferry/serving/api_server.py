@@ -30,6 +30,7 @@ from kvferry.serving.protocol import (
     new_request_id,
     validation_message,
 )
+from kvferry.serving.sglang_info import install_info_routes
 
 MODEL_NAME = "kvferry-tiny-llama"
 # How often a non-streaming handler checks whether its client went away.
@@ -53,6 +54,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> FastAPI:
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
+    install_info_routes(app, engine, MODEL_NAME, health_extra or {})
     max_len = engine.model.config.max_position
     max_prompt_blocks = engine.pool.num_total
 

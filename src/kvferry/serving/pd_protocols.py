@@ -67,8 +67,10 @@ def translate(role: str, params: dict[str, Any] | None, extra: dict[str, Any], r
         protocol = "vllm-router"
     addr = params.get("remote_bootstrap_addr")
     if isinstance(addr, str) and addr.startswith("http://"):
-        params["remote_bootstrap_addr"] = addr.removeprefix("http://").rstrip("/")
+        params["remote_bootstrap_addr"] = addr = addr.removeprefix("http://").rstrip("/")
         protocol = "vllm-router"
+    if isinstance(addr, str) and "://" in addr:
+        raise ProtocolError("remote_bootstrap_addr must be host:port or http://host:port")
     return PDRequest(params, protocol)
 
 
