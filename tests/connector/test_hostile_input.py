@@ -20,7 +20,7 @@ from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import PagedKVLayout
-from kvferry.connector.messages import PullRequest, Release, Status, decode_response, encode
+from kvferry.connector.messages import MAX_FRAME_BYTES, PullRequest, Release, Status, decode_response, encode
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.producer import Producer
 from kvferry.transfer.base import ByteRange
@@ -141,8 +141,19 @@ def test_truncated_valid_message_and_extra_frames(rig: Rig) -> None:
     rig.check_still_serving()
 
 
-def test_oversized_message_is_dropped_and_server_keeps_serving(rig: Rig) -> None:
-    rig.sock.send(b"\x00" * (3 << 20))  # over ZMQ's MAXMSGSIZE: P drops that connection
+def test_oversized_message_gets_its_own_error_and_the_connection_survives(rig: Rig) -> None:
+    """A 3 MiB transfer_id (issue 13.6) costs that message an ERROR naming it, nothing else."""
+    big = "x" * (3 << 20)
+    reply = rig.ask(encode(Release([big])))
+    assert reply.status == Status.ERROR and "exceeds" in reply.err_msg
+    reply = rig.ask(rig.pull("t-over", [1], d_transfer_addr="h" * (1 << 20)))
+    assert reply.status == Status.ERROR and "exceeds" in reply.err_msg
+    assert (reply.transfer_id, reply.d_request_id) == ("t-over", "d-t-over"), "the ERROR names its pull"
+    rig.check_still_serving()  # same DEALER, no reconnect needed
+
+
+def test_frame_over_the_zmq_limit_drops_only_that_connection(rig: Rig) -> None:
+    rig.sock.send(b"\x00" * (MAX_FRAME_BYTES + 1))  # over ZMQ's MAXMSGSIZE: P drops that connection
     deadline = time.monotonic() + 10
     while True:
         try:

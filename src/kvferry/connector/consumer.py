@@ -29,6 +29,9 @@ from kvferry.transfer.base import TransferEngine, covered
 
 log = logging.getLogger(__name__)
 
+# Causes P may name in an ERROR reply; anything else is reported as `error_reply`.
+P_CAUSES = frozenset({"error_reply", "transport", "expired"})
+
 
 class Consumer:
     def __init__(
@@ -180,7 +183,9 @@ class Consumer:
     def _on_response(self, pull: PullMeta, task: PullTask, resp: PullResponse) -> None:
         task.checksums = list(resp.checksums)
         if resp.status == Status.ERROR:
-            cause = "transport" if resp.err_msg.startswith("transport") else "error_reply"
+            cause = resp.cause if resp.cause in P_CAUSES else "error_reply"
+            if not resp.cause and resp.err_msg.startswith("transport"):
+                cause = "transport"  # a P that predates the cause field
             self._handle_failed_recv([pull], cause, f"P rank {task.p_rank}: {resp.err_msg}")
         elif pull.request_id in resp.err_reqs:
             self._handle_failed_recv([pull], "err_reqs", f"P rank {task.p_rank}: {resp.err_msg}")

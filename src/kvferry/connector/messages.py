@@ -14,6 +14,9 @@ import msgspec
 
 # Far above any real pull (a 100k-token prompt is ~6k blocks); a bigger frame is hostile.
 MAX_MESSAGE_BYTES = 1 << 20
+# ZMQ drops a connection that sends a bigger frame; below it every message gets its own answer.
+MAX_FRAME_BYTES = 16 << 20
+MAX_ID_BYTES = 64 << 10
 
 
 class Status(enum.IntEnum):
@@ -64,10 +67,20 @@ class PullResponse(msgspec.Struct, tag="resp", forbid_unknown_fields=True):
     bytes_written: int = 0
     # True when the answer comes from fault injection (diagnostics only).
     injected: bool = False
+    # For ERROR: the failure cause D reports (`expired`, `transport`, ...); empty = `error_reply`.
+    cause: str = ""
 
 
 class HeartbeatAck(msgspec.Struct, tag="hb_ack", forbid_unknown_fields=True):
     unknown: list[str] = []  # transfer ids P does not hold (expired or never seen)
+    working: list[str] = []  # transfer ids P still has queued or prefilling: keep waiting
+
+
+class _Ids(msgspec.Struct):
+    """The ids of a message P could not accept, so its ERROR names what it is about."""
+
+    transfer_id: str = ""
+    d_request_id: str = ""
 
 
 _inbound_decoder = msgspec.msgpack.Decoder(Inbound)
@@ -97,6 +110,20 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes) -> T:
 
 def decode_inbound(data: bytes) -> Inbound:
     return _decode(_inbound_decoder, data)
+
+
+_ids_decoder = msgspec.msgpack.Decoder(_Ids)
+
+
+def salvage_ids(data: bytes) -> tuple[str, str]:
+    """(transfer_id, d_request_id) of a message that failed validation, or empty strings."""
+    try:
+        ids = _ids_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return "", ""
+    if len(ids.transfer_id) + len(ids.d_request_id) > MAX_ID_BYTES:
+        return "", ""  # echoing it would make the reply itself oversized
+    return ids.transfer_id, ids.d_request_id
 
 
 def decode_response(data: bytes) -> PullResponse | HeartbeatAck:

@@ -36,6 +36,10 @@ class Metrics:
         self.kv_leases_expired = Counter(
             "kvferry_kv_leases_expired", "Transfers whose blocks P freed because nobody pulled them", registry=r
         )
+        self.producer_errors = Counter(
+            "kvferry_producer_errors", "Unexpected errors P's rank loops survived (each cost one message)",
+            registry=r,
+        )
         self.unknown_connector_ids = Counter(
             "kvferry_unknown_connector_ids", "Finished ids from the connector that the scheduler did not hold",
             registry=r,

@@ -1,35 +1,68 @@
-"""P's transfers by transfer_id: blocks held for D, placeholders for early pulls, leases, tombstones.
+"""P's transfers by transfer_id: blocks held for D, placeholders for early pulls, leases, writes in
+flight, and a bounded memory of transfers that already ended.
 
-Shared by the engine thread (ready / dead transfers) and every rank thread (pulls, heartbeats,
-releases) under one lock; finished transfers are handed to the engine as `finished_sending`.
+The table is the one owner of a transfer's lifecycle. Every path that ends a transfer (served,
+failed write, released, expired, dead prefill) only *dooms* it; `_settle` is the one function that
+frees, and only once no write reads its blocks. So blocks are freed exactly once and never under an
+in-flight write; a write is a handle, so a late or repeated completion cannot drive a count negative.
+Shared by the engine thread (working / ready / dead) and the rank threads under one lock; freed
+transfers reach the engine as `finished_sending`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvferry.connector.messages import PullRequest
 from kvferry.connector.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 NOT_READY_MSG = "Timeout waiting for P side ready."
 MAX_PLACEHOLDERS = 100_000  # transfers we track before their prefill is done (pull-before-ready)
+MAX_RECENT = 20_000  # ended transfer ids remembered, so a late pull gets `expired` at once
+
+
+@dataclass(eq=False)
+class Write:
+    """One data-plane write in flight: it reads the transfer's blocks until `write_done`."""
+
+    transfer_id: str
+    p_rank: int
+    d_rank: int
+    d_tp: int
+    peer: str  # D rank's transfer address (where the write goes)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`begin_pull`'s answer: ended (why), full, released, drop, dead, park, short, or write."""
+
+    kind: str
+    why: str = ""
+    write: Write | None = None
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Transfer:
     transfer_id: str
-    expires: float  # blocks (or a placeholder) are dropped after this
+    expires: float  # doomed as "expired" after this (unless P is still working on it)
     request_id: str | None = None
     block_ids: list[int] | None = None  # set once the prefill is done
     num_tokens: int = 0
     dead: str | None = None  # the P request ended without KV (aborted, error)
-    inflight: int = 0  # writes reading these blocks right now: never free under them
-    abandoned: bool = False  # D released it (or gave up) before it was ready: free on arrival
+    working: bool = False  # P has the request queued or prefilling: its KV is coming
+    leased: bool = False  # a pull came: from then on D's lease (its heartbeats) decides
+    writes: set[Write] = field(default_factory=set)  # in flight: never free under them
     served: set[tuple[int, int]] = field(default_factory=set)  # (p_rank, d_rank) pairs done
+    doomed: str | None = None  # why it ends; freed by `_settle` once no write is in flight
+    cancelled: bool = False  # its lease ran out under writes in flight: they were told to stop
 
     @property
     def ready(self) -> bool:
@@ -45,6 +78,7 @@ class TransferTable:
         self._pairs = pairs  # D tp size → the (P rank, D rank) pairs a transfer must serve
         self.lock = threading.Lock()
         self._transfers: dict[str, Transfer] = {}
+        self._recent: OrderedDict[str, str] = OrderedDict()  # ended transfer id → why
         self._finished: set[str] = set()
 
     def __len__(self) -> int:
@@ -54,21 +88,67 @@ class TransferTable:
         with self.lock:
             return list(self._transfers)
 
+    # ---- the one place that frees -----------------------------------------------------------------
+    def doom(self, t: Transfer, why: str) -> None:
+        """Under the lock: `t` ends (the first reason wins); freed now or when its last write returns."""
+        if t.doomed is None:
+            t.doomed = why
+        self._settle(t)
+
+    def _settle(self, t: Transfer) -> None:
+        if t.doomed is None or t.writes or self._transfers.get(t.transfer_id) is not t:
+            return
+        del self._transfers[t.transfer_id]
+        self._remember(t.transfer_id, t.doomed)
+        if t.request_id is not None:
+            self._finished.add(t.request_id)
+        if t.doomed == "expired" and t.ready:
+            self.metrics.kv_leases_expired.inc()
+            log.warning("transfer %s expired: its blocks were never (fully) pulled", t.transfer_id)
+
+    def _remember(self, transfer_id: str, why: str) -> None:
+        self._recent[transfer_id] = why
+        self._recent.move_to_end(transfer_id)
+        while len(self._recent) > MAX_RECENT:
+            self._recent.popitem(last=False)
+
+    def ended(self, transfer_id: str) -> str | None:
+        """Under the lock: why a transfer we no longer hold ended (None: not ended recently)."""
+        return self._recent.get(transfer_id)
+
     # ---- engine thread ----------------------------------------------------------------------------
+    def add_working(self, transfer_id: str) -> None:
+        """P queued the request: its pulls wait however long the prefill takes."""
+        with self.lock:
+            if transfer_id in self._recent:
+                return
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                t = self._transfers[transfer_id] = Transfer(transfer_id, math.inf)
+            if not t.ready and t.dead is None:
+                t.working = True
+
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, now: float) -> None:
         with self.lock:
+            if transfer_id in self._recent:  # D gave up (released, expired) before the prefill ended
+                self._finished.add(request_id)
+                return
             t = self._transfers.get(transfer_id)
             if t is None:
                 t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
-            t.request_id, t.block_ids, t.num_tokens = request_id, block_ids, num_tokens
-            t.expires = now + self.abort_timeout_s
-            if t.abandoned:  # D gave up before the prefill finished: nobody will pull
-                self.finish(t)
+            t.request_id, t.block_ids, t.num_tokens, t.working = request_id, block_ids, num_tokens, False
+            # Before any pull P's own abort timeout bounds the hold; after one, D's lease does.
+            t.expires = now + self.abort_timeout_s if not t.leased or t.expires == math.inf else t.expires
 
     def add_dead(self, transfer_id: str, now: float) -> None:
         with self.lock:
-            t = self._transfers.setdefault(transfer_id, Transfer(transfer_id, now + self.abort_timeout_s))
-            t.dead = "prefill request ended without KV (aborted or failed)"
+            if transfer_id in self._recent:
+                return
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
+            t.dead, t.working = "prefill request ended without KV (aborted or failed)", False
+            t.expires = now + self.abort_timeout_s if not t.leased or t.expires == math.inf else t.expires
 
     def drain_finished(self) -> set[str]:
         with self.lock:
@@ -81,7 +161,7 @@ class TransferTable:
 
     def writes_in_flight(self) -> int:
         with self.lock:
-            return sum(t.inflight for t in self._transfers.values())
+            return sum(len(t.writes) for t in self._transfers.values())
 
     # ---- rank threads -----------------------------------------------------------------------------
     def get(self, transfer_id: str) -> Transfer | None:
@@ -96,57 +176,111 @@ class TransferTable:
             t = self._transfers[transfer_id] = Transfer(transfer_id, now + self.abort_timeout_s)
         return t
 
-    def finish(self, t: Transfer, expired: bool = False) -> None:
-        """Under the lock: forget the transfer and hand its blocks back to the engine."""
-        self._transfers.pop(t.transfer_id, None)
-        if t.request_id is not None:
-            self._finished.add(t.request_id)
-        if expired and t.ready:
-            self.metrics.kv_leases_expired.inc()
-            log.warning("transfer %s expired: its blocks were never (fully) pulled", t.transfer_id)
+    def lease(self, t: Transfer, now: float, lease_s: float) -> None:
+        """Under the lock: a pull came; from now on D's lease, renewed by its heartbeats, decides."""
+        lease_s = lease_s or self.abort_timeout_s
+        t.expires = now + lease_s if not t.leased else max(t.expires, now + lease_s)
+        if t.expires == math.inf:
+            t.expires = now + lease_s
+        t.leased = True
 
-    def abandon(self, transfer_id: str, now: float) -> None:
-        """Under the lock. D gave up on a transfer whose prefill is not done: free its blocks the
-        moment it finishes instead of at the abort timeout."""
-        t = self.get_or_placeholder(transfer_id, now)
-        if t is not None:
-            t.abandoned = True
+    def begin_pull(self, pull: PullRequest, p_rank: int, now: float, park: bool = False, drop: bool = False) -> Verdict:
+        """What to do with a pull (`park`: wait even if ready; `drop`: never answer — injected faults).
+        A "write" verdict holds a `Write`: the blocks stay until its `write_done`."""
+        with self.lock:
+            t = self._transfers.get(pull.transfer_id)
+            if t is None and pull.transfer_id in self._recent:
+                return Verdict("ended", self._recent[pull.transfer_id])
+            if t is not None and t.doomed is not None:
+                return Verdict("ended", t.doomed)
+            t = self.get_or_placeholder(pull.transfer_id, now)
+            if t is None:
+                return Verdict("full", "too many pending transfers")
+            if not pull.block_ids:  # release-only pull: D will never read these blocks
+                self.doom(t, "released")
+                return Verdict("released")
+            self.lease(t, now, pull.lease_s)
+            if drop:
+                return Verdict("drop")
+            if t.dead is not None:
+                self.doom(t, "dead")
+                return Verdict("dead", t.dead)
+            if t.block_ids is None or park:
+                return Verdict("park")
+            if len(t.block_ids) < len(pull.block_ids):
+                self.doom(t, "failed")
+                return Verdict("short", "P num blocks less than D")
+            w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr)
+            t.writes.add(w)
+            return Verdict("write", write=w, blocks=list(t.block_ids))
 
-    def renew(self, transfer_ids: Iterable[str], lease_s: float, now: float) -> list[str]:
-        """D's heartbeat: extend the leases it names; returns the ids we do not hold."""
-        unknown = []
+    def give_up(self, transfer_id: str) -> None:
+        """A parked pull waited its whole abort timeout and P is not working on the request."""
+        with self.lock:
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                self.doom(t, "expired")
+
+    def parked_state(self, transfer_id: str) -> str:
+        """For a parked pull: "settled" (answer it again now), "working" (P is on it) or "waiting"."""
+        with self.lock:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.doomed is not None or t.ready or t.dead is not None:
+                return "settled"
+            return "working" if t.working else "waiting"
+
+    def write_done(self, w: Write, failed: bool) -> None:
+        with self.lock:
+            t = self._transfers.get(w.transfer_id)
+            if t is None or w not in t.writes:
+                return  # a completion we already counted
+            t.writes.discard(w)
+            if failed:
+                self.doom(t, "failed")  # D fails the request; nobody will pull this transfer again
+                return
+            t.served.add((w.p_rank, w.d_rank))
+            if self._pairs(w.d_tp) <= t.served:
+                self.doom(t, "served")
+            self._settle(t)
+
+    def write_wanted(self, w: Write) -> bool:
+        """Whether a queued write should still start (its transfer was not doomed meanwhile)."""
+        with self.lock:
+            t = self._transfers.get(w.transfer_id)
+            return t is not None and w in t.writes and t.doomed is None
+
+    def renew(self, transfer_ids: Iterable[str], lease_s: float, now: float) -> tuple[list[str], list[str]]:
+        """D's heartbeat: extend the leases it names. Returns (ids we do not hold, ids P is still
+        working on: queued or prefilling)."""
+        unknown, working = [], []
         with self.lock:
             for tid in transfer_ids:
                 t = self._transfers.get(tid)
-                if t is None:
+                if t is None or t.doomed is not None:
                     unknown.append(tid)
-                elif t.ready:
+                    continue
+                if t.working:
+                    working.append(tid)
+                if t.expires != math.inf:
                     t.expires = max(t.expires, now + (lease_s or self.abort_timeout_s))
-        return unknown
+        return unknown, working
 
     def release(self, transfer_ids: Iterable[str], now: float) -> None:
         with self.lock:
             for tid in transfer_ids:
                 t = self._transfers.get(tid)
-                if t is not None and (t.ready or t.dead):
-                    self.finish(t)
-                else:
-                    self.abandon(tid, now)
+                if t is not None:
+                    self.doom(t, "released")
+                elif tid not in self._recent:
+                    self._remember(tid, "released")  # freed the moment its prefill ends
 
-    def write_done(self, transfer_id: str, p_rank: int, d_rank: int, d_tp: int, failed: bool) -> None:
+    def expire(self, now: float) -> list[Write]:
+        """Doom transfers whose lease ran out; returns their writes in flight, to be cancelled."""
+        cancel: list[Write] = []
         with self.lock:
-            t = self._transfers.get(transfer_id)
-            if t is None:
-                return
-            t.inflight -= 1
-            if failed:
-                self.finish(t)  # D fails the request; nobody will pull this transfer again
-                return
-            t.served.add((p_rank, d_rank))
-            if self._pairs(d_tp) <= t.served:
-                self.finish(t)
-
-    def expire(self, now: float) -> None:
-        with self.lock:
-            for t in [t for t in self._transfers.values() if t.expires <= now and not t.inflight]:
-                self.finish(t, expired=True)
+            for t in [t for t in self._transfers.values() if t.expires <= now and not t.working]:
+                self.doom(t, "expired")
+                if t.writes and not t.cancelled:
+                    t.cancelled = True
+                    cancel.extend(t.writes)
+        return cancel

@@ -88,6 +88,9 @@ class TransferEngine(abc.ABC):
         never later than the deadline (plus scheduling slack).
         """
 
+    def abort_writes(self, peer: str) -> None:  # noqa: B027 (optional: a no-op is correct)
+        """Best effort: make writes to `peer` in flight fail now rather than at their deadline."""
+
     @property
     def tracks_progress(self) -> bool:
         """True when `written` reports partial progress exactly (per-block recovery is possible)."""

@@ -69,6 +69,9 @@ class TcpTransferEngine(TransferEngine):
         if messages:
             self._client.write(peer, messages, deadline)
 
+    def abort_writes(self, peer: str) -> None:
+        self._client.abort(peer)
+
     def close(self) -> None:
         with self._close_lock:
             if self._closed:

@@ -37,7 +37,7 @@ class TcpClient:
         self._stats = stats
         self._lock = threading.Lock()
         self._idle: dict[str, list[socket.socket]] = {}
-        self._busy: set[socket.socket] = set()
+        self._busy: dict[socket.socket, str] = {}  # socket → peer, from connect until release
         self._closed = False
 
     # -- pool -----------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ class TcpClient:
                 idle = self._idle.get(peer)
                 sock = idle.pop() if idle else None
                 if sock is not None:
-                    self._busy.add(sock)
+                    self._busy[sock] = peer
             if sock is None:
                 break
             if _healthy(sock):
@@ -60,12 +60,12 @@ class TcpClient:
             if self._closed:
                 sock.close()
                 raise TransferError(E.CLOSED, "engine closed")
-            self._busy.add(sock)
+            self._busy[sock] = peer
         return sock
 
     def _release(self, peer: str, sock: socket.socket) -> None:
         with self._lock:
-            self._busy.discard(sock)
+            self._busy.pop(sock, None)
             idle = self._idle.setdefault(peer, [])
             if not self._closed and len(idle) < MAX_IDLE_PER_PEER:
                 idle.append(sock)
@@ -74,8 +74,19 @@ class TcpClient:
 
     def _discard(self, sock: socket.socket) -> None:
         with self._lock:
-            self._busy.discard(sock)
+            self._busy.pop(sock, None)
         sock.close()
+
+    def abort(self, peer: str) -> None:
+        """Make every write to `peer` in flight (handshake included) fail now."""
+        with self._lock:
+            busy = [s for s, p in self._busy.items() if p == peer]
+            idle = self._idle.pop(peer, [])
+        for s in idle:
+            s.close()
+        for s in busy:  # shut down, not closed: the writing thread still owns the descriptor
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         with self._lock:
@@ -102,17 +113,19 @@ class TcpClient:
             raise TransferError(E.TIMEOUT, f"connect to {peer} timed out") from e
         except OSError as e:
             raise TransferError(E.REFUSED, f"connect to {peer}: {e}") from e
+        with self._lock:
+            self._busy[sock] = peer  # from here on `abort(peer)` reaches it
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._handshake(sock, peer, deadline)
         except TimeoutError as e:  # e.g. a frozen peer: the kernel accepted, the process never answers
-            sock.close()
+            self._discard(sock)
             raise TransferError(E.TIMEOUT, f"handshake with {peer} timed out") from e
         except (EOFError, OSError) as e:
-            sock.close()
+            self._discard(sock)
             raise TransferError(E.REFUSED, f"handshake with {peer} failed: {e or 'closed'}") from e
         except BaseException:
-            sock.close()
+            self._discard(sock)
             raise
         self._stats.add("connections_opened")
         return sock

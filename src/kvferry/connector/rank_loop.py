@@ -1,0 +1,298 @@
+"""One P rank's control loop: its ZMQ ROUTER, parked pulls, replies from finished writes.
+
+Nothing one peer sends can end this loop: every item (a message, a parked pull, a reply, the lease
+sweep) runs under its own guard; an unexpected exception costs that item an ERROR reply (naming its
+transfer and request when they can be read), a log line and a count of `kvferry_producer_errors_total`.
+Heartbeats are answered here and nothing here waits on the engine thread, the data plane or a
+checksum: writes and their checksums run on the per-peer send threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from kvferry.connector.layout import overlap
+from kvferry.connector.messages import (
+    MAX_FRAME_BYTES,
+    Heartbeat,
+    HeartbeatAck,
+    Inbound,
+    MessageError,
+    PullRequest,
+    PullResponse,
+    Release,
+    Status,
+    decode_inbound,
+    encode,
+    salvage_ids,
+)
+from kvferry.connector.transfers import NOT_READY_MSG, Write
+from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
+
+if TYPE_CHECKING:
+    from kvferry.connector.producer import Producer
+
+log = logging.getLogger(__name__)
+
+SCRATCH_REGION = "scratch"  # source of the bytes the `corrupt` fault writes
+
+
+@dataclass
+class Parked:
+    """A pull that came before its KV was ready."""
+
+    identity: bytes
+    pull: PullRequest
+    deadline: float  # answered "not ready" after this, unless P is still working on the request
+
+
+class RankLoop(threading.Thread):
+    def __init__(self, producer: Producer, rank: int, host: str) -> None:
+        super().__init__(name=f"kv-producer-rank{rank}", daemon=True)
+        self.p = producer
+        self.rank = rank
+        self.engine = producer.engines[rank]
+        self.sock = producer._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Up to this size every message gets its own answer (ERROR if over MAX_MESSAGE_BYTES).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._outbox: deque[tuple[bytes, PullResponse | HeartbeatAck]] = deque()
+        self._parked: list[Parked] = []
+
+    def wake(self) -> None:
+        # A full buffer means it is already awake; an error means it is shutting down.
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def reply(self, identity: bytes, message: PullResponse | HeartbeatAck) -> None:
+        self._outbox.append((identity, message))
+        self.wake()
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)  # pyzmq reports plain sockets by fd
+        try:
+            while not self.p._stop.is_set():
+                self._guard("poll", lambda: self._turn(poller))
+        finally:
+            self.sock.close(0)
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        events = dict(poller.poll(50))
+        if self._wake_r.fileno() in events:
+            with contextlib.suppress(BlockingIOError):
+                while self._wake_r.recv(4096):
+                    pass
+        if self.sock in events:
+            self._drain_socket()
+        self._retry_parked()
+        self._flush()
+        if self.rank == 0:
+            self._guard("lease sweep", lambda: self.p.cancel(self.p.table.expire(time.monotonic())))
+
+    def _guard(self, what: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None = None) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            if self.p._stop.is_set():
+                return
+            log.exception("producer rank %d: %s failed (the loop goes on)", self.rank, what)
+            self.p.metrics.producer_errors.inc()
+            if on_error is not None:
+                with contextlib.suppress(Exception):
+                    on_error(exc)
+
+    def _flush(self) -> None:
+        while self._outbox:
+            identity, message = self._outbox.popleft()
+            self._guard("reply", functools.partial(self._send, identity, message))
+
+    def _send(self, identity: bytes, message: PullResponse | HeartbeatAck) -> None:
+        self.sock.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+
+    def _drain_socket(self) -> None:
+        for _ in range(10_000):  # then poll again: replies and parked pulls get their turn
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_message(frames)
+
+    # ---- messages ---------------------------------------------------------------------------------
+    def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if frames:
+                self.reply(frames[0], PullResponse(Status.ERROR, err_msg="expected exactly one frame"))
+            return
+        identity, data = frames
+        try:
+            message = decode_inbound(data)
+        except MessageError as exc:
+            tid, rid = salvage_ids(data)
+            self.reply(identity, PullResponse(Status.ERROR, rid, tid, err_msg=f"malformed message: {exc}"))
+            return
+
+        def answer(exc: Exception) -> None:
+            if isinstance(message, PullRequest):
+                self.reply(identity, _response(message, Status.ERROR, err_msg=f"P internal error: {exc!r}"))
+
+        self._guard("message", lambda: self._dispatch(identity, message), answer)
+
+    def _dispatch(self, identity: bytes, message: Inbound) -> None:
+        if isinstance(message, Heartbeat):
+            unknown, working = self.p.table.renew(message.transfer_ids, message.lease_s, time.monotonic())
+            self.reply(identity, HeartbeatAck(unknown, working))
+        elif isinstance(message, Release):
+            self.p.table.release(message.transfer_ids, time.monotonic())
+        else:
+            self._on_pull(identity, message, time.monotonic())
+
+    def _invalid(self, pull: PullRequest) -> str | None:
+        spec = self.p.layout
+        if pull.d_tp_size < 1 or spec.num_kv_heads % pull.d_tp_size:
+            return f"D tp_size {pull.d_tp_size} does not divide {spec.num_kv_heads} KV heads"
+        if not 0 <= pull.d_tp_rank < pull.d_tp_size:
+            return f"D tp_rank {pull.d_tp_rank} out of range"
+        if overlap(spec.num_kv_heads, self.p.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank) is None:
+            return f"D rank {pull.d_tp_rank} shares no KV heads with P rank {self.rank}"
+        if pull.block_ids and len(pull.block_ids) != -(-pull.num_tokens // spec.block_size):
+            return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens"
+        if len(set(pull.block_ids)) != len(pull.block_ids):
+            return "duplicate block ids"
+        if any(not 0 <= b < pull.d_num_blocks for b in pull.block_ids):
+            return f"block id out of range [0, {pull.d_num_blocks})"
+        return None
+
+    def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> None:
+        error = self._invalid(pull)
+        if error is not None:
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=error))
+            return
+        fault = self.p.faults.fault_for(pull.transfer_id)
+        if fault == "error_reply":
+            self.reply(identity, _response(pull, Status.ERROR, err_msg="injected error reply", injected=True))
+            return
+        if fault == "err_reqs":
+            msg = "injected: P lists the request as failed"
+            self.reply(identity, _response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=msg, injected=True))
+            return
+        v = self.p.table.begin_pull(pull, self.rank, now, park=fault == "p_not_ready", drop=fault == "drop_reply")
+        if v.kind == "ended":  # a late pull: P already let this transfer go; say so now, not at a timeout
+            if pull.block_ids:
+                self.reply(identity, _response(pull, Status.ERROR, cause="expired",
+                                               err_msg=f"transfer already ended on P ({v.why})"))
+            else:
+                self.reply(identity, _response(pull, Status.FINISH))
+        elif v.kind in ("full", "dead", "short"):
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=v.why))
+        elif v.kind == "released":
+            self.reply(identity, _response(pull, Status.FINISH))
+        elif v.kind == "park":
+            self._parked.append(Parked(identity, pull, now + self.p.abort_timeout_s))
+        elif v.kind == "write":
+            assert v.write is not None
+            self.reply(identity, _response(pull, Status.CONTINUE))
+            self._submit(identity, pull, v.write, v.blocks, fault)
+        # "drop": the injected fault, this pull is never answered
+
+    def _submit(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None) -> None:
+        job = functools.partial(self._serve, identity, pull, w, blocks, fault)
+        try:
+            self.p.senders.submit(f"{self.rank}/{pull.d_transfer_addr}", job)
+        except Exception:
+            self.p.table.write_done(w, failed=True)
+            raise
+
+    def _retry_parked(self) -> None:
+        if not self._parked:
+            return
+        now = time.monotonic()
+        parked, self._parked = self._parked, []
+        for item in parked:
+
+            def answer(exc: Exception, item: Parked = item) -> None:
+                self.reply(item.identity, _response(item.pull, Status.ERROR, err_msg=f"P internal error: {exc!r}"))
+
+            self._guard("parked pull", functools.partial(self._retry, item, now), answer)
+
+    def _retry(self, item: Parked, now: float) -> None:
+        pull = item.pull
+        state = self.p.table.parked_state(pull.transfer_id)
+        if self.p.faults.fault_for(pull.transfer_id) == "p_not_ready":
+            state = "waiting"  # the injected fault: P never gets ready
+        if state == "settled":
+            self._on_pull(item.identity, pull, now)  # served, or answered why it cannot be
+        elif state == "working":
+            item.deadline = now + self.p.abort_timeout_s  # P is on it: only D's deadline bounds the wait
+            self._parked.append(item)
+        elif now >= item.deadline:
+            self.reply(item.identity, _response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=NOT_READY_MSG))
+            self.p.table.give_up(pull.transfer_id)
+        else:
+            self._parked.append(item)
+
+    # ---- send threads -----------------------------------------------------------------------------
+    def _serve(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None) -> None:
+        """Runs on the peer's send thread: checksums, the data-plane write, then the reply."""
+        if not self.p.table.write_wanted(w):
+            self.p.table.write_done(w, failed=True)
+            self.reply(identity, _response(pull, Status.ERROR, cause="expired", err_msg="lease lost before the write started"))
+            return
+        started = time.monotonic()
+        deadline = started + self.p.abort_timeout_s
+        checksums: list[int] = []
+        try:
+            # The injected `transport` fault breaks the data plane after half of the blocks.
+            upto = len(pull.block_ids) // 2 if fault == "transport" else None
+            ops, checksums = self.p.plan_write(blocks, pull, self.rank, upto)
+            if self.p.faults.slow_ms:
+                time.sleep(self.p.faults.slow_ms / 1000)
+            self.engine.write(pull.d_transfer_addr, pull.grant_token, ops, deadline)
+            if fault == "transport":
+                raise TransferError(TransferErrorCause.RESET, "injected: data plane broke after part of the blocks")
+            if fault == "corrupt":
+                mid = ops[len(ops) // 2]
+                flip = WriteOp(SCRATCH_REGION, 0, mid.dst_region, mid.dst_offset + mid.length // 2, 8)
+                self.engine.write(pull.d_transfer_addr, pull.grant_token, [flip], deadline)
+        except TransferError as exc:
+            self.p.table.write_done(w, failed=True)
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=f"transport: {exc}", checksums=checksums,
+                                           cause="transport", injected=fault == "transport"))
+            return
+        except Exception as exc:  # never let a send thread die silently
+            log.exception("serving pull %s failed", pull.transfer_id)
+            self.p.metrics.producer_errors.inc()
+            self.p.table.write_done(w, failed=True)
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=f"P internal error: {exc!r}"))
+            return
+        nbytes = sum(op.length for op in ops)
+        self.p.metrics.kv_transfers.inc()
+        self.p.metrics.kv_transfer_bytes.inc(nbytes)
+        self.p.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
+        self.p.table.write_done(w, failed=False)
+        self.reply(identity, _response(pull, Status.FINISH, ok_reqs=[pull.d_request_id], checksums=checksums,
+                                       bytes_written=nbytes))
+
+
+def _response(pull: PullRequest, status: Status, **kw: object) -> PullResponse:
+    return PullResponse(status, pull.d_request_id, pull.transfer_id, **kw)  # type: ignore[arg-type]
