@@ -19,6 +19,7 @@ from kvferry.engine.engine import Engine, EngineDeadError, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.tokenizer import VOCAB_SIZE, IncrementalDetokenizer, encode
+from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.pd_protocols import EngineResolver, ProtocolError, translate
 from kvferry.serving.protocol import (
     COMPLETION_200,
@@ -88,6 +89,10 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
     @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 500, 503)})
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         request_id = new_request_id()
+        try:
+            check_kv_transfer_params(body.kv_transfer_params)
+        except KVParamsShapeError as exc:
+            return _bad_request(str(exc))
         try:
             pd = translate(engine.config.role, body.kv_transfer_params, body.model_extra or {}, request_id)
         except ProtocolError as exc:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import ValidationError
 
 from kvferry.serving.api_server import install_error_handlers
+from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.protocol import (
     COMPLETION_200,
     METRICS_200,
@@ -118,8 +119,11 @@ def build_proxy_app(
         try:
             # Reject what the instances would reject before P spends a prefill (and blocks) on it.
             CompletionRequest.model_validate(body)
+            check_kv_transfer_params(body.get("kv_transfer_params"))
         except ValidationError as exc:
             return JSONResponse(error_body(validation_message(exc), "invalid_request_error", 400), 400)
+        except KVParamsShapeError as exc:
+            return JSONResponse(error_body(str(exc), "invalid_request_error", 400), 400)
         stream = bool(body.get("stream"))
         kv_failures = unreachable = 0
         for attempt in itertools.count():
@@ -215,6 +219,10 @@ async def _sequential(
         params = None
     if not isinstance(params, dict):
         return JSONResponse(error_body("prefill answer carries no kv_transfer_params", "proxy_error", 502), 502), True
+    try:
+        check_kv_transfer_params(params)
+    except KVParamsShapeError as exc:
+        return JSONResponse(error_body(f"prefill answer: {exc}", "proxy_error", 502), 502), True
     d_request = client.build_request("POST", f"{decode_url}/v1/completions", json={**body, "kv_transfer_params": params})
     try:
         d_response = await client.send(d_request, stream=True)
