@@ -59,7 +59,7 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
-    p.add_argument("which", choices=["transfer", "failover", "scheduler", "e2e"])
+    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e"])
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
 

@@ -31,11 +31,12 @@ SPEC = KVCacheSpec(num_blocks=16, num_layers=2, num_kv_heads=4, block_size=4, he
 
 
 class Rig:
-    def __init__(self) -> None:
+    def __init__(self, abort_timeout_s: float = 0.3) -> None:
         rng = np.random.default_rng(1)
         self.p_kv = rng.standard_normal(SPEC.shape, dtype=np.float32)
         self.p_engine = TcpTransferEngine()
-        self.producer = Producer(PagedKVLayout(SPEC, self.p_kv), [self.p_engine], "127.0.0.1", 0.3, FaultSpec(), Metrics())
+        self.producer = Producer(PagedKVLayout(SPEC, self.p_kv), [self.p_engine], "127.0.0.1", abort_timeout_s, FaultSpec(),
+                                 Metrics())
         self.d_kv = np.zeros(SPEC.shape, dtype=np.float32)
         self.d_engine = TcpTransferEngine()
         self.d_engine.register("kv", self.d_kv)

@@ -147,6 +147,10 @@ class BootstrapClient:
             self._cache[key] = info
         return info
 
+    def cached(self, bootstrap_addr: str, engine_id: str) -> EngineInfo | None:
+        with self._lock:
+            return self._cache.get((bootstrap_addr, engine_id))
+
     def forget(self, bootstrap_addr: str, engine_id: str) -> None:
         """Drop a cached answer after a failure, so a restarted P is found again at once."""
         with self._lock:

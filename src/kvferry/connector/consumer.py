@@ -59,6 +59,7 @@ class Consumer:
         self._thread.start()
         if config.liveness:
             self._watchdog = asyncio.run_coroutine_threadsafe(self._heartbeats(), self.loop)
+        self._sweeper = asyncio.run_coroutine_threadsafe(self._sweep_dealers(), self.loop)
 
     # ---- engine thread ----------------------------------------------------------------------------
     def start_pulls(self, specs: Iterable[PullSpec]) -> None:
@@ -85,6 +86,7 @@ class Consumer:
                     pull.coroutine.cancel()
             if self.config.liveness:
                 self._watchdog.cancel()
+            self._sweeper.cancel()
             for dealer in self._dealers.values():
                 dealer.close()
 
@@ -125,14 +127,22 @@ class Consumer:
 
     async def _lookup(self, spec: PullSpec) -> EngineInfo:
         injected = self.config.faults.fault_for(spec.transfer_id) == "bootstrap"
+        cached = self.bootstrap.cached(spec.bootstrap_addr, spec.engine_id)
+        # A cached answer is trusted only while we are connected to its ranks: a P restarted at the
+        # same address has new ZMQ ports, so ask again rather than pull from a dead port.
+        fresh = injected or (self.config.liveness and cached is not None and not self._connected(cached))
         return await self.loop.run_in_executor(
             None,
             self.bootstrap.lookup,
             spec.bootstrap_addr,
             spec.engine_id,
             spec.transfer_id if injected else None,
-            injected,
+            fresh,
         )
+
+    def _connected(self, info: EngineInfo) -> bool:
+        live = {addr for (_, addr), dealer in self._dealers.items() if dealer.connected}
+        return all(rank.control_addr in live for rank in info.ranks)
 
     def _send_pulls(self, pull: PullMeta, info: EngineInfo) -> None:
         heads_total = self.layout.num_kv_heads
@@ -322,6 +332,19 @@ class Consumer:
     def _on_peer_dead(self, request_ids: list[str], reason: str) -> None:
         pulls = [self._pulls[r] for r in request_ids if r in self._pulls]
         self._handle_failed_recv(pulls, "peer_dead", reason)
+
+    async def _sweep_dealers(self) -> None:
+        """Close DEALERs no pull waits on: at once when their P is gone (a second's grace for a
+        Release still in flight), after `dealer_idle_s` otherwise."""
+        while True:
+            await asyncio.sleep(min(0.5, self.config.dealer_idle_s))
+            now = self.loop.time()
+            for key, dealer in list(self._dealers.items()):
+                idle_for = now - dealer.last_used
+                gone = self.config.liveness and not dealer.connected and idle_for > 1.0
+                if not dealer.waiters and (gone or idle_for > self.config.dealer_idle_s):
+                    del self._dealers[key]
+                    dealer.close()
 
     async def _heartbeats(self) -> None:
         while True:

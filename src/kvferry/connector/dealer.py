@@ -44,11 +44,13 @@ class Dealer:
         self.writing_since: dict[WaiterKey, float] = {}
         loop = asyncio.get_running_loop()
         self.last_seen = loop.time()
+        self.last_used = loop.time()  # when a message last went out (idle dealers get closed)
         self.waiting_since: float | None = None
+        self.connected = False  # a live TCP connection to P (known only when the connection is watched)
         self._tasks = [loop.create_task(self._read())]
         self._monitor: zmq.asyncio.Socket | None = None
         if watch_connection:
-            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             self._tasks.append(loop.create_task(self._watch(self._monitor)))
         self.sock.connect(addr)
 
@@ -59,6 +61,7 @@ class Dealer:
         self.send_raw(data)
 
     def send_raw(self, data: bytes) -> None:
+        self.last_used = asyncio.get_running_loop().time()
         try:
             self.sock.send(data, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -109,7 +112,10 @@ class Dealer:
     async def _watch(self, monitor: Any) -> None:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected = False
                 self._dead(f"connection to P at {self.addr} closed")
 
     def close(self) -> None:

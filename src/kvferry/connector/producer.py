@@ -91,9 +91,9 @@ class Producer:
 
     def cancel(self, writes: list[Write]) -> None:
         """Writes whose lease ran out: make them fail now (their D stopped heartbeating)."""
-        for peer in {(w.p_rank, w.peer) for w in writes}:
-            log.warning("lease lost: cancelling writes of P rank %d to %s", *peer)
-            self.engines[peer[0]].abort_writes(peer[1])
+        for p_rank, peer in {(w.p_rank, w.peer) for w in writes}:
+            log.debug("lease lost: cancelling writes of P rank %d to %s", p_rank, peer)
+            self.engines[p_rank].abort_writes(peer)
 
     def _pairs(self, d_tp: int) -> set[tuple[int, int]]:
         """(P rank, D rank) pairs that share heads: a transfer is done when each was served."""

@@ -36,6 +36,9 @@ class ConsumerConfig:
     # (heartbeats and connection-close events), leaving only the timeouts, as in vLLM's connectors.
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5
+    # A DEALER no pull uses is closed after this (at once when its connection is gone), so D holds
+    # sockets only for live P ranks however often P restarts on new ports.
+    dealer_idle_s: float = 10.0
 
     @property
     def liveness(self) -> bool:

@@ -266,7 +266,7 @@ class RankLoop(threading.Thread):
             upto = len(pull.block_ids) // 2 if fault == "transport" else None
             ops, checksums = self.p.plan_write(blocks, pull, self.rank, upto)
             if self.p.faults.slow_ms:
-                time.sleep(self.p.faults.slow_ms / 1000)
+                self._slow(w, self.p.faults.slow_ms / 1000)
             self.engine.write(pull.d_transfer_addr, pull.grant_token, ops, deadline)
             if fault == "transport":
                 raise TransferError(TransferErrorCause.RESET, "injected: data plane broke after part of the blocks")
@@ -292,6 +292,16 @@ class RankLoop(threading.Thread):
         self.p.table.write_done(w, failed=False)
         self.reply(identity, _response(pull, Status.FINISH, ok_reqs=[pull.d_request_id], checksums=checksums,
                                        bytes_written=nbytes))
+
+
+    def _slow(self, w: Write, seconds: float) -> None:
+        """The injected `slow` fault: a write that takes `seconds`, cancelled like a real one when
+        D's lease runs out."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if not self.p.table.write_wanted(w):
+                raise TransferError(TransferErrorCause.RESET, "write cancelled: D's lease ran out")
+            time.sleep(min(left, 0.02))
 
 
 def _response(pull: PullRequest, status: Status, **kw: object) -> PullResponse:

@@ -62,7 +62,6 @@ class Transfer:
     writes: set[Write] = field(default_factory=set)  # in flight: never free under them
     served: set[tuple[int, int]] = field(default_factory=set)  # (p_rank, d_rank) pairs done
     doomed: str | None = None  # why it ends; freed by `_settle` once no write is in flight
-    cancelled: bool = False  # its lease ran out under writes in flight: they were told to stop
 
     @property
     def ready(self) -> bool:
@@ -275,12 +274,10 @@ class TransferTable:
                     self._remember(tid, "released")  # freed the moment its prefill ends
 
     def expire(self, now: float) -> list[Write]:
-        """Doom transfers whose lease ran out; returns their writes in flight, to be cancelled."""
+        """Doom transfers whose lease ran out; returns their writes still in flight, to be cancelled."""
         cancel: list[Write] = []
         with self.lock:
             for t in [t for t in self._transfers.values() if t.expires <= now and not t.working]:
                 self.doom(t, "expired")
-                if t.writes and not t.cancelled:
-                    t.cancelled = True
-                    cancel.extend(t.writes)
+                cancel.extend(t.writes)  # every sweep until they return: a write may start late
         return cancel

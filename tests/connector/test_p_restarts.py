@@ -1,0 +1,76 @@
+"""P restarted again and again at the same address (same engine_id and bootstrap server, new ZMQ
+ports): D asks the bootstrap server again instead of pulling from a dead port, so the very next
+request works (issue 12.2), and D closes the DEALERs no live pull uses, so its sockets and fds stay
+bounded by the live P ranks (issue 13.7)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from kvferry.connector.base import KVCacheSpec
+from kvferry.connector.bootstrap import BootstrapServer, Registration
+from kvferry.connector.consumer import Consumer
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.layout import PagedKVLayout
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.producer import Producer
+from kvferry.connector.pulls import ConsumerConfig, PullSpec
+from kvferry.transfer.tcp import TcpTransferEngine
+from procs import free_port
+
+SPEC = KVCacheSpec(num_blocks=8, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8)
+RESTARTS = 25
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_p_restarted_at_the_same_address_serves_the_next_request_and_d_sockets_stay_bounded() -> None:
+    server = BootstrapServer("127.0.0.1", free_port())
+    server.start()
+    d_kv = np.zeros(SPEC.shape, dtype=np.float32)
+    d_engine = TcpTransferEngine()
+    metrics = Metrics()
+    consumer = Consumer(PagedKVLayout(SPEC, d_kv), [d_engine],
+                        ConsumerConfig(recv_timeout_s=10.0, kv_load_deadline_s=10.0, dealer_idle_s=1.0), metrics)
+    finished: set[str] = set()
+    causes: dict[str, tuple[str, str]] = {}
+    fds_after_first = 0
+    try:
+        for i in range(RESTARTS):
+            p_kv = np.full(SPEC.shape, float(i + 1), dtype=np.float32)
+            p_engine = TcpTransferEngine()
+            producer = Producer(PagedKVLayout(SPEC, p_kv), [p_engine], "127.0.0.1", 10.0, FaultSpec(), Metrics())
+            try:
+                server.register(Registration("p", 1, 0, producer.control_addrs[0]))
+                producer.add_ready(f"x{i}", f"p{i}", [1, 2], 2 * SPEC.block_size)
+                consumer.start_pulls([PullSpec(f"d{i}", f"x{i}", [3, 4], "p", f"127.0.0.1:{server.port}",
+                                               2 * SPEC.block_size)])
+                deadline = time.monotonic() + 10
+                while f"d{i}" not in finished:
+                    assert time.monotonic() < deadline, f"pull {i} never finished"
+                    done, _, new_causes = consumer.drain()
+                    finished |= done
+                    causes.update(new_causes)
+                    time.sleep(0.005)
+                assert f"d{i}" not in causes, f"request after restart {i} failed: {causes[f'd{i}']}"
+                assert (d_kv[[3, 4]] == i + 1).all()
+            finally:
+                producer.close()
+                p_engine.close()
+            if i == 0:
+                fds_after_first = open_fds()
+        # Every DEALER to a P that is gone is closed; none stays for a dead port.
+        deadline = time.monotonic() + 5
+        while len(consumer._dealers) > 0:
+            assert time.monotonic() < deadline, f"{len(consumer._dealers)} DEALERs kept for dead P ranks"
+            time.sleep(0.05)
+        assert open_fds() <= fds_after_first + 4, (fds_after_first, open_fds())
+    finally:
+        consumer.close()
+        d_engine.close()
+        server.stop()
