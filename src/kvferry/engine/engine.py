@@ -18,10 +18,11 @@ from typing import Any
 from kvferry.connector.base import KVConnector, NoOpConnector
 from kvferry.connector.metrics import Metrics
 from kvferry.engine.block_pool import BlockPool
+from kvferry.engine.loader import LoadedModel, load_model
 from kvferry.engine.model import ModelConfig, TinyLlama, sample
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkerResult
-from kvferry.engine.tokenizer import EOS_TOKEN_ID, decode
+from kvferry.engine.text import ByteCodec
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,18 @@ class Engine:
         scheduler_connector: KVConnector | None = None,
         worker_connector: KVConnector | None = None,
         metrics: Metrics | None = None,
+        loaded: LoadedModel | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        self.model = TinyLlama(config.model or ModelConfig(seed=config.seed))
+        if loaded is None:
+            if config.model is not None:
+                loaded = LoadedModel("kvferry-tiny-llama", TinyLlama(config.model), ByteCodec(), "tiny")
+            else:
+                loaded = load_model("tiny", config.seed)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.codec = loaded.codec
         self.kv_spec = self.model.kv_cache_spec(config.num_blocks, config.block_size)
         self.kv_cache = self.model.allocate_kv_cache(self.kv_spec)
         self.pool = BlockPool(config.num_blocks)
@@ -302,9 +311,9 @@ class Engine:
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         token = request.output_token_ids[-1]
-        if (token == EOS_TOKEN_ID and not params.ignore_eos) or token in params.stop_token_ids:
+        if (token == self.codec.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if params.stop and any(stop in decode(request.output_token_ids) for stop in params.stop):
+        if params.stop and any(stop in self.codec.decode(request.output_token_ids) for stop in params.stop):
             return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED

@@ -56,7 +56,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class _LayerWeights:
+class LayerWeights:  # x @ W layout: [in, out]
     attn_norm: FloatArray  # [hidden]
     qkv: FloatArray  # [hidden, (heads + 2 * kv_heads) * head_dim]
     o_proj: FloatArray  # [heads * head_dim, hidden]
@@ -65,31 +65,46 @@ class _LayerWeights:
     down: FloatArray  # [ffn, hidden]
 
 
+@dataclass(frozen=True)
+class LlamaWeights:
+    embed: FloatArray  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: FloatArray  # [hidden]
+    lm_head: FloatArray  # [hidden, vocab] (a transposed view of `embed` when tied)
+
+
+def random_weights(cfg: ModelConfig) -> LlamaWeights:
+    """The tiny model's weights: random, from `cfg.seed` (its answers are bytes, not language)."""
+    rng = np.random.default_rng(cfg.seed)
+
+    def linear(fan_in: int, fan_out: int) -> FloatArray:
+        w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
+        return w * np.float32(1.0 / math.sqrt(fan_in))
+
+    embed = rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
+    q_width = cfg.num_heads * cfg.head_dim
+    kv_width = cfg.num_kv_heads * cfg.head_dim
+    layers = [
+        LayerWeights(
+            attn_norm=np.ones(cfg.hidden_size, np.float32),
+            qkv=linear(cfg.hidden_size, q_width + 2 * kv_width),
+            o_proj=linear(q_width, cfg.hidden_size),
+            mlp_norm=np.ones(cfg.hidden_size, np.float32),
+            gate_up=linear(cfg.hidden_size, 2 * cfg.ffn_size),
+            down=linear(cfg.ffn_size, cfg.hidden_size),
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    return LlamaWeights(embed, layers, np.ones(cfg.hidden_size, np.float32), linear(cfg.hidden_size, cfg.vocab_size))
+
+
 class TinyLlama:
-    def __init__(self, config: ModelConfig | None = None) -> None:
+    """A Llama forward over a paged KV cache: the tiny random model, or real weights (`weights=`)."""
+
+    def __init__(self, config: ModelConfig | None = None, weights: LlamaWeights | None = None) -> None:
         self.config = cfg = config or ModelConfig()
-        rng = np.random.default_rng(cfg.seed)
-
-        def linear(fan_in: int, fan_out: int) -> FloatArray:
-            w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
-            return w * np.float32(1.0 / math.sqrt(fan_in))
-
-        self.embed = rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
-        q_width = cfg.num_heads * cfg.head_dim
-        kv_width = cfg.num_kv_heads * cfg.head_dim
-        self.layers = [
-            _LayerWeights(
-                attn_norm=np.ones(cfg.hidden_size, np.float32),
-                qkv=linear(cfg.hidden_size, q_width + 2 * kv_width),
-                o_proj=linear(q_width, cfg.hidden_size),
-                mlp_norm=np.ones(cfg.hidden_size, np.float32),
-                gate_up=linear(cfg.hidden_size, 2 * cfg.ffn_size),
-                down=linear(cfg.ffn_size, cfg.hidden_size),
-            )
-            for _ in range(cfg.num_layers)
-        ]
-        self.final_norm = np.ones(cfg.hidden_size, np.float32)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        w = weights or random_weights(cfg)
+        self.embed, self.layers, self.final_norm, self.lm_head = w.embed, w.layers, w.final_norm, w.lm_head
 
         inv_freq = cfg.rope_theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
         angles = np.outer(np.arange(cfg.max_position, dtype=np.float64), inv_freq)
@@ -156,7 +171,7 @@ class TinyLlama:
         return last_logits
 
     def _attention(
-        self, x: FloatArray, w: _LayerWeights, kv: FloatArray, block: int, lo: int, hi: int, block_size: int
+        self, x: FloatArray, w: LayerWeights, kv: FloatArray, block: int, lo: int, hi: int, block_size: int
     ) -> FloatArray:
         """Attention output for the tile of `block`; also fills rows [lo, hi) of the block in `kv`."""
         cfg = self.config
@@ -188,7 +203,7 @@ class TinyLlama:
         out = out.reshape(kv_heads, group, block_size, head_dim).transpose(2, 0, 1, 3)
         return np.ascontiguousarray(out).reshape(block_size, heads * head_dim) @ w.o_proj
 
-    def _mlp(self, x: FloatArray, w: _LayerWeights) -> FloatArray:
+    def _mlp(self, x: FloatArray, w: LayerWeights) -> FloatArray:
         cfg = self.config
         gate_up = _rms_norm(x, w.mlp_norm, cfg.rms_eps) @ w.gate_up
         gate, up = gate_up[:, : cfg.ffn_size], gate_up[:, cfg.ffn_size :]
@@ -247,6 +262,7 @@ class TinyLlama:
         num_blocks: int | None = None,
         block_size: int = 16,
         stop_at_eos: bool = True,
+        eos_token_id: int = EOS_TOKEN_ID,
     ) -> list[int]:
         """The colocated reference: one sequence alone, prefilled in one call, then decoded token by token."""
         if max_tokens < 1:
@@ -260,7 +276,7 @@ class TinyLlama:
         while True:
             token = sample(logits, 0.0, None, len(prompt_ids) + len(output))
             output.append(token)
-            if len(output) >= max_tokens or (stop_at_eos and token == EOS_TOKEN_ID):
+            if len(output) >= max_tokens or (stop_at_eos and token == eos_token_id):
                 return output
             position = len(prompt_ids) + len(output) - 1
             logits = self.forward(kv_cache, block_size, [token], position, block_table)
