@@ -91,7 +91,8 @@ def test_router_answers_match_proxy_and_every_request_is_disaggregated(
     assert_idle(prefills + decodes)
 
 
-def test_vllm_router_kill_of_one_prefill_instance() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_kill_of_one_prefill_instance_under_a_router(mode: str) -> None:
     """`kill -9` of one of 2 P under load, with the router's health checks tightened: once the router has
     ejected the dead P every request succeeds, nothing hangs, and the survivors hold nothing afterwards."""
     ports, boots = [free_port(), free_port()], [free_port(), free_port()]
@@ -103,7 +104,7 @@ def test_vllm_router_kill_of_one_prefill_instance() -> None:
     checks = ("--health-check-interval-secs", "1", "--health-failure-threshold", "2",
               "--health-success-threshold", "1", "--health-check-timeout-secs", "1")
     try:
-        with running(*prefills, *decodes), router("vllm-nixl", prefills, decodes, checks) as r:
+        with running(*prefills, *decodes), router(mode, prefills, decodes, checks) as r:
             load = Load(r.url)
             with ThreadPoolExecutor(4) as pool:
                 first = [pool.submit(load.one, i) for i in range(12)]
@@ -120,7 +121,7 @@ def test_vllm_router_kill_of_one_prefill_instance() -> None:
                 assert [f.result(timeout=120) for f in rest] == [200] * 24
             failed = [o for o in load.outcomes if o[2] != 200]
             assert all(answered - sent < 60 for sent, answered, _ in load.outcomes)  # nothing hung
-            print(f"\nkill -9 of 1 of 2 P at {killed_at:.1f}s: {len(failed)} of {len(load.outcomes)} requests "
+            print(f"\n{mode}: kill -9 of 1 of 2 P at {killed_at:.1f}s: {len(failed)} of {len(load.outcomes)} requests "
                   f"failed; ejected by {ejected_at:.1f}s; every request after that succeeded")
             assert_idle([prefills[1], *decodes])
     finally:
@@ -141,7 +142,8 @@ class Load:
 
     def one(self, i: int) -> int:
         sent = self.now()
-        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS, "temperature": 0}
+        body = {"model": "kvferry-tiny-llama", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS,
+                "temperature": 0}
         try:
             status = httpx.post(f"{self.url}/v1/completions", json=body, timeout=60).status_code
         except httpx.HTTPError:
