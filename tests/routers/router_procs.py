@@ -63,7 +63,7 @@ class Router:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"router exited with {self.popen.returncode}:\n{self.log()}")
+                raise RouterExited(f"router exited with {self.popen.returncode}:\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -83,13 +83,29 @@ class Router:
         os.unlink(self._log.name)
 
 
+class RouterExited(RuntimeError):
+    pass
+
+
 @contextmanager
 def router(mode: str, prefills: Sequence[Proc], decodes: Sequence[Proc],
            extra: Sequence[str] = ()) -> Iterator[Router]:
-    port = free_port()
-    proc = Router(router_command(mode, port, prefills, decodes, extra), f"http://127.0.0.1:{port}")
+    """A ready router; started again on another port if it exits at once (the free port we picked can
+    be taken by another process before the router binds it)."""
+    for attempt in range(3):
+        port = free_port()
+        proc = Router(router_command(mode, port, prefills, decodes, extra), f"http://127.0.0.1:{port}")
+        try:
+            proc.wait_ready()
+            break
+        except RouterExited:
+            proc.stop()
+            if attempt == 2:
+                raise
+        except BaseException:
+            proc.stop()
+            raise
     try:
-        proc.wait_ready()
         yield proc
     finally:
         proc.stop()
