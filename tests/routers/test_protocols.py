@@ -144,7 +144,7 @@ def test_sglang_router_flow(system: tuple[Proc, Proc, Proc, str]) -> None:
         ("prefill", {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1,
                      "kv_transfer_params": {"do_remote_decode": True}}, "not both"),
         ("decode", {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "e",
-                                           "remote_bootstrap_addr": "https://h:1"}}, "host:port or http://"),
+                                           "remote_bootstrap_addr": "https://h:1"}}, "remote_bootstrap_addr must be host:port"),
     ],
 )
 def test_p_d_fields_an_instance_cannot_honour_get_400(role: str, body: dict[str, Any], message: str) -> None:

@@ -152,7 +152,6 @@ class Load:
         return status
 
 
-@pytest.mark.xfail(reason="D reuses a restarted P's old control address (issue 12, item 2)", strict=False)
 def test_restarted_prefill_instance_serves_its_first_request_through_the_router() -> None:
     """A P that comes back at the same address (same engine id, new ZMQ ports behind its bootstrap
     server) must not fail the first requests the router sends it: D must not reuse what it knew."""
