@@ -50,7 +50,8 @@ def serve(port: int | None = None, *extra: str, env: dict[str, str] | None = Non
 
 @contextmanager
 def pd_system(p_tp: int = 1, d_tp: int = 1, p_args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
-              env: dict[str, str] | None = None, proxy_args: tuple[str, ...] = ()) -> Iterator[tuple[Proc, Proc, Proc]]:
+              env: dict[str, str] | None = None, proxy_args: tuple[str, ...] = (),
+              timeout: float = 30.0) -> Iterator[tuple[Proc, Proc, Proc]]:
     """proxy + P + D on free loopback ports, all stopped by pid on exit."""
     common = ("--num-blocks", "1024", "--seed", "0")
     p = serve(None, "--role", "prefill", "--tp", str(p_tp), "--bootstrap-port", str(free_port()), *common, *p_args,
@@ -59,5 +60,5 @@ def pd_system(p_tp: int = 1, d_tp: int = 1, p_args: tuple[str, ...] = (), d_args
     port = free_port()
     proxy = Proc(["proxy", "--prefill", p.url, "--decode", d.url, "--port", str(port), *proxy_args],
                  f"http://127.0.0.1:{port}")
-    with running(p, d, proxy):
+    with running(p, d, proxy, timeout=timeout):
         yield p, d, proxy

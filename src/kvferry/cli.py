@@ -14,6 +14,9 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.pd import PDConfig, PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
+from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
+
+MODEL_HELP = f"model: {MODEL_CHOICES_HELP}"
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,7 +30,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="decode side: a failed KV load ends the request with HTTP 500, or recomputes lost blocks")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (64 KiB each by default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (P and D must agree)")
-    p.add_argument("--seed", type=int, default=0, help="model weights seed (P, D and reference must agree)")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients must send as `model` (default: the model's own name)")
+    p.add_argument("--seed", type=int, default=0, help="tiny model: weights seed (P, D and reference must agree)")
     p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: HTTP port of the bootstrap server")
     p.add_argument("--transfer", choices=["tcp", "mooncake"], default="tcp", help="data-plane backend")
     p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""),
@@ -91,6 +97,15 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvferry serve: --faults: {exc}", file=sys.stderr)
         return 2
+    try:
+        loaded = load_model(args.model, args.seed)
+    except ModelLoadError as exc:
+        print(f"kvferry serve: --model: {exc}", file=sys.stderr)
+        return 2
+    heads = loaded.model.config.num_kv_heads
+    if heads % args.tp:
+        print(f"kvferry serve: --tp {args.tp} does not divide the model's {heads} KV heads", file=sys.stderr)
+        return 2
     metrics = Metrics()
     scheduler_connector: KVConnector | None = None
     worker_connector: KVConnector | None = None
@@ -121,10 +136,15 @@ def serve(args: argparse.Namespace) -> int:
         engine_id=engine_id,
     )
     extra = {"kv_bootstrap_addr": f"{args.host}:{args.bootstrap_port}"} if args.role == "prefill" else {}
-    engine = Engine(config, scheduler_connector, worker_connector, metrics)
+    engine = Engine(config, scheduler_connector, worker_connector, metrics, loaded)
     engine.start()
+    who = f"kvferry serve ({args.role}, {args.served_model_name or loaded.name})"
+    print(f"{who}: HTTP API on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    if args.role == "prefill":
+        print(f"{who}: bootstrap server on http://{args.host}:{args.bootstrap_port}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(build_app(engine, extra), host=args.host, port=args.port, log_level=args.log_level)
+        app = build_app(engine, extra, args.served_model_name)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.stop()
     return 0

@@ -22,9 +22,9 @@ def test_openai_client_stream_and_non_stream_against_real_server() -> None:
     with running(proc):
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
         prompt = "Prefill here, decode there. "
-        first = client.completions.create(model="kvferry", prompt=prompt, max_tokens=24, temperature=0)
-        second = client.completions.create(model="kvferry", prompt=prompt, max_tokens=24, temperature=0)
-        streamed = client.completions.create(model="kvferry", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        first = client.completions.create(model="kvferry-tiny-llama", prompt=prompt, max_tokens=24, temperature=0)
+        second = client.completions.create(model="kvferry-tiny-llama", prompt=prompt, max_tokens=24, temperature=0)
+        streamed = client.completions.create(model="kvferry-tiny-llama", prompt=prompt, max_tokens=24, temperature=0, stream=True)
         pieces = [chunk.choices[0].text for chunk in streamed]
     reference = TinyLlama(ModelConfig(seed=0)).generate_greedy(encode(prompt), 24)
     assert first.choices[0].text == decode(reference)

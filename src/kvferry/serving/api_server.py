@@ -1,4 +1,5 @@
-"""HTTP API of one instance: OpenAI completions, health, Prometheus metrics, debug state."""
+"""HTTP API of one instance: OpenAI completions, chat completions and models, health, Prometheus metrics,
+debug state."""
 
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ from kvferry.connector.pd import KVTransferParamsError, validate_kv_transfer_par
 from kvferry.engine.engine import Engine, EngineDeadError, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
-from kvferry.engine.tokenizer import VOCAB_SIZE, IncrementalDetokenizer, encode
+from kvferry.engine.text import ChatTemplateError, TextCodec
 from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
+from kvferry.serving.openai_chat import (
+    ChatCompletionRequest,
+    chat_body,
+    chat_chunk,
+    model_not_found,
+    models_body,
+)
 from kvferry.serving.pd_protocols import EngineResolver, ProtocolError, translate
 from kvferry.serving.protocol import (
     COMPLETION_200,
@@ -33,7 +41,6 @@ from kvferry.serving.protocol import (
 )
 from kvferry.serving.sglang_info import install_info_routes
 
-MODEL_NAME = "kvferry-tiny-llama"
 # How often a non-streaming handler checks whether its client went away.
 _DISCONNECT_POLL_S = 0.25
 # /debug/state waits this long for a fresh snapshot, then serves the one the engine last published.
@@ -52,10 +59,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", exc.status_code), exc.status_code)
 
 
-def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> FastAPI:
+def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
-    install_info_routes(app, engine, MODEL_NAME, health_extra or {})
+    model_name = served_model_name or engine.loaded.name
+    install_info_routes(app, engine, model_name, health_extra or {})
+    codec: TextCodec = engine.codec
     max_len = engine.model.config.max_position
     max_prompt_blocks = engine.pool.num_total
 
@@ -86,8 +95,33 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
 
     resolver = EngineResolver()
 
-    @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 500, 503)})
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(models_body(model_name, max_len))
+
+    @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 404, 500, 503)})
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        return await _serve(body, http_request, None)
+
+    @app.post("/v1/chat/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 404, 500, 503)})
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
+        try:
+            prompt = codec.apply_chat_template(body.template_messages())
+        except ChatTemplateError as exc:
+            return _bad_request(str(exc))
+        as_completion = CompletionRequest(
+            **{**(body.model_extra or {}), "model": body.model, "prompt": prompt, "max_tokens": body.token_limit(max_len),
+               "temperature": body.temperature, "seed": body.seed, "stop": body.stop, "stream": body.stream,
+               "ignore_eos": body.ignore_eos, "kv_transfer_params": body.kv_transfer_params}
+        )  # fmt: skip
+        if body.max_tokens is None and body.max_completion_tokens is None:
+            as_completion.max_tokens = 0  # the rest of the context, once the prompt length is known
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _serve(as_completion, http_request, _Chat(include_usage))
+
+    async def _serve(body: CompletionRequest, http_request: Request, chat: _Chat | None) -> Response:
+        if body.model is not None and body.model != model_name:
+            return JSONResponse(model_not_found(body.model), status_code=404)
         request_id = new_request_id()
         try:
             check_kv_transfer_params(body.kv_transfer_params)
@@ -105,7 +139,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
                 engine.metrics.kv_load_failures.labels(cause="bootstrap").inc()
                 return JSONResponse(error_body(str(exc), "kv_load_failed", "bootstrap"), status_code=500)
         max_tokens = 1 if pd.prefill_only else body.max_tokens
-        response = await _completions(body, http_request, request_id, params, max_tokens)
+        response = await _completions(body, http_request, request_id, params, max_tokens, chat)
         if response.status_code == 400 and (params or {}).get("do_remote_prefill"):
             # Turned away here, but P already prefills it (the proxy asks both at once): free P now.
             try:
@@ -117,16 +151,18 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
 
     async def _completions(
         body: CompletionRequest, http_request: Request, request_id: str, kv_params: dict[str, Any] | None,
-        max_tokens: int,
+        max_tokens: int, chat: _Chat | None,
     ) -> Response:
         if isinstance(body.prompt, str):
-            prompt_ids = encode(body.prompt)
+            prompt_ids = codec.encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
-            if any(not 0 <= t < VOCAB_SIZE for t in prompt_ids):
-                return _bad_request(f"prompt token ids must be in [0, {VOCAB_SIZE})")
+            if any(not 0 <= t < codec.vocab_size for t in prompt_ids):
+                return _bad_request(f"prompt token ids must be in [0, {codec.vocab_size})")
         if not prompt_ids:
             return _bad_request("prompt must not be empty")
+        if max_tokens == 0:  # a chat without a limit: up to the model's context
+            max_tokens = max(1, max_len - len(prompt_ids))
         total = len(prompt_ids) + max_tokens
         if total > max_len:
             return _bad_request(f"prompt ({len(prompt_ids)} tokens) + max_tokens exceeds the maximum length {max_len}")
@@ -151,7 +187,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None) -> Fas
             engine.submit(request, sink)
         except EngineDeadError as exc:
             return _engine_dead(exc)
-        call = _Call(engine, request_id, body, stop, outputs, http_request)
+        call = _Call(engine, request_id, body, stop, outputs, http_request, model_name, chat)
         return await (_stream(call) if body.stream else _complete(call))
 
     return app
@@ -172,12 +208,19 @@ def _error_response(out: RequestOutput) -> JSONResponse:
     return JSONResponse(error_body(message, "kv_load_failed", out.error_code), status_code=500)
 
 
-class _TextAssembler:
-    """Byte tokens → text, holding back EOS and cutting at the first stop string."""
+@dataclass(frozen=True)
+class _Chat:
+    """A chat completion: answered as chat.completion (chunks), usage in the last chunk if asked."""
 
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    include_usage: bool
+
+
+class _TextAssembler:
+    """Tokens → text, holding back EOS and cutting at the first stop string."""
+
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...]) -> None:
         self.stop = stop
-        self.detokenizer = IncrementalDetokenizer()
+        self.detokenizer = codec.detokenizer()
         self.text = ""
         self.sent = 0
 
@@ -206,6 +249,21 @@ class _Call:
     stop: tuple[str, ...]
     outputs: asyncio.Queue[RequestOutput]
     http_request: Request
+    model: str
+    chat: _Chat | None
+
+    def body_json(self, text: str, out: RequestOutput, chunk: bool = False, first: bool = False) -> dict[str, Any]:
+        """A completion / chat.completion body, or (chunk) one event of a stream: the last one carries
+        finish_reason, kv_transfer_params and kvferry's recompute figure."""
+        final = out.finished
+        args = (self.request_id, self.model, text, out.finish_reason if final else None, out.num_prompt_tokens,
+                out.num_output_tokens, out.kv_transfer_params if final else None,
+                {"kvferry": {"recomputed_tokens": out.num_recomputed_tokens}} if final else None)  # fmt: skip
+        if self.chat is None:
+            return completion_body(*args)
+        if chunk:
+            return chat_chunk(*args, first=first, include_usage=self.chat.include_usage)
+        return chat_body(*args)
 
     async def next(self) -> RequestOutput | None:
         """The next engine output, or None (and the request aborted) when the client went away."""
@@ -219,7 +277,7 @@ class _Call:
 
 
 async def _complete(call: _Call) -> Response:
-    assembler = _TextAssembler(call.stop)
+    assembler = _TextAssembler(call.engine.codec, call.stop)
     while True:
         out = await call.next()
         if out is None:
@@ -229,17 +287,7 @@ async def _complete(call: _Call) -> Response:
             break
     if out.finish_reason == "error":
         return _error_response(out)
-    body_json = completion_body(
-        call.request_id,
-        call.body.model or MODEL_NAME,
-        assembler.text,
-        out.finish_reason,
-        out.num_prompt_tokens,
-        out.num_output_tokens,
-        out.kv_transfer_params,
-        {"kvferry": {"recomputed_tokens": out.num_recomputed_tokens}},
-    )
-    return JSONResponse(body_json)
+    return JSONResponse(call.body_json(assembler.text, out))
 
 
 async def _stream(call: _Call) -> Response:
@@ -249,15 +297,13 @@ async def _stream(call: _Call) -> Response:
         return Response(status_code=499)
     if first.finished and first.finish_reason == "error":
         return _error_response(first)
-    model = call.body.model or MODEL_NAME
-    assembler = _TextAssembler(call.stop)
+    assembler = _TextAssembler(call.engine.codec, call.stop)
+    sent_first = False
 
     def chunk(text: str, out: RequestOutput) -> str:
-        data: dict[str, Any] = completion_body(
-            call.request_id, model, text, out.finish_reason if out.finished else None, out.num_prompt_tokens,
-            out.num_output_tokens, out.kv_transfer_params if out.finished else None,
-            {"kvferry": {"recomputed_tokens": out.num_recomputed_tokens}} if out.finished else None,
-        )
+        nonlocal sent_first
+        data = call.body_json(text, out, chunk=True, first=not sent_first)
+        sent_first = True
         return f"data: {json.dumps(data)}\n\n"
 
     async def events() -> AsyncIterator[str]:

@@ -71,6 +71,7 @@ class ErrorBody(BaseModel):
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request",
+    404: "No such model (code model_not_found)",
     500: "KV load failed (type kv_load_failed, code = the cause) or an engine error",
     502: "An instance could not be reached (proxy)",
     503: "The instance's engine is dead (type engine_dead); /health answers 503 too",

@@ -17,10 +17,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvferry.serving.api_server import install_error_handlers
 from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
+from kvferry.serving.openai_chat import ChatCompletionRequest
 from kvferry.serving.protocol import (
     COMPLETION_200,
     METRICS_200,
@@ -33,7 +34,8 @@ from kvferry.serving.protocol import (
 RETRY_BACKOFF_S = 0.25
 TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
 ATTEMPTS_HEADER = "x-kvferry-attempts"
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+# Not relayed from D: hop-by-hop headers, and the ones the proxy's own server sets (no duplicates).
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}
 
 
 @dataclass
@@ -101,15 +103,41 @@ def build_proxy_app(
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # The body is forwarded as it came (unknown fields too), so it is read raw and validated by hand.
-    request_body = {"required": True, "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}}}
+    def request_body(model: type[BaseModel]) -> dict[str, Any]:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            r = await client.get(f"{decodes[0]}/v1/models", timeout=10.0)
+        except httpx.HTTPError as exc:
+            return JSONResponse(error_body(f"decode {decodes[0]} unavailable: {exc!r}", "proxy_error", 502), 502)
+        return Response(r.content, r.status_code, media_type="application/json")
 
     @app.post(
         "/v1/completions",
         response_model=None,
-        responses={**COMPLETION_200, **error_responses(400, 500, 502)},
-        openapi_extra={"requestBody": request_body},
+        responses={**COMPLETION_200, **error_responses(400, 404, 500, 502)},
+        openapi_extra=request_body(CompletionRequest),
     )
     async def completions(request: Request) -> Response:
+        return await _handle(request, "/v1/completions", CompletionRequest)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={**COMPLETION_200, **error_responses(400, 404, 500, 502)},
+        openapi_extra=request_body(ChatCompletionRequest),
+    )
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    async def _handle(request: Request, path: str, model: type[BaseModel]) -> Response:
+        if not _is_json(request.headers.get("content-type", "")):
+            try:  # the instance's answer to a body that is not declared JSON, word for word
+                model.model_validate(b"", from_attributes=True)
+            except ValidationError as exc:
+                return JSONResponse(error_body(validation_message(exc), "invalid_request_error", 400), 400)
         try:
             body = json.loads(await request.body())
         except (ValueError, RecursionError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
@@ -118,7 +146,7 @@ def build_proxy_app(
             return JSONResponse(error_body("body must be a JSON object", "invalid_request_error", 400), 400)
         try:
             # Reject what the instances would reject before P spends a prefill (and blocks) on it.
-            CompletionRequest.model_validate(body)
+            model.model_validate(body)
             check_kv_transfer_params(body.get("kv_transfer_params"))
         except ValidationError as exc:
             return JSONResponse(error_body(validation_message(exc), "invalid_request_error", 400), 400)
@@ -130,7 +158,7 @@ def build_proxy_app(
             target = prefills[next(next_p)]
             decode_url = decodes[next(next_d)]
             transfer_id = f"xfer-{uuid.uuid4()}"
-            response, retryable = await _one_attempt(client, target, decode_url, body, stream, transfer_id)
+            response, retryable = await _one_attempt(client, target, decode_url, body, stream, transfer_id, path)
             # Lets a client (or `kvferry chaos`) match the answer with the fault function's prediction.
             response.headers[TRANSFER_ID_HEADER] = transfer_id
             response.headers[ATTEMPTS_HEADER] = str(attempt + 1)
@@ -150,6 +178,12 @@ def build_proxy_app(
     return app
 
 
+def _is_json(content_type: str) -> bool:
+    """What FastAPI accepts as a JSON body: application/json or a `+json` subtype."""
+    main = content_type.split(";", 1)[0].strip().lower()
+    return main == "application/json" or (main.startswith("application/") and main.endswith("+json"))
+
+
 async def _one_attempt(
     client: httpx.AsyncClient,
     target: PrefillTarget,
@@ -157,6 +191,7 @@ async def _one_attempt(
     body: dict[str, Any],
     stream: bool,
     transfer_id: str,
+    path: str,
 ) -> tuple[Response, bool]:
     """(response, retryable): a KV-load failure before any token reached the client may be retried."""
     if not target.known:
@@ -164,19 +199,22 @@ async def _one_attempt(
             await target.refresh(client)
         except httpx.HTTPError as exc:
             return JSONResponse(error_body(f"prefill {target.url} unavailable: {exc!r}", "proxy_error", 502), 502), True
+    # P computes the prompt's KV and one token (a chat's max_completion_tokens would outrank max_tokens).
     p_body = {**body, "max_tokens": 1, "stream": False,
               "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
+    p_body.pop("max_completion_tokens", None)
+    p_body.pop("stream_options", None)
     if target.sequential:
-        return await _sequential(client, target, decode_url, body, p_body, stream)
+        return await _sequential(client, target, decode_url, body, p_body, stream, path)
     d_body = {**body, "kv_transfer_params": {
         "do_remote_prefill": True,
         "transfer_id": transfer_id,
         "remote_engine_id": target.engine_id,
         "remote_bootstrap_addr": target.bootstrap_addr,
     }}
-    prefill = asyncio.create_task(client.post(f"{target.url}/v1/completions", json=p_body))
+    prefill = asyncio.create_task(client.post(f"{target.url}{path}", json=p_body))
     prefill.add_done_callback(_consume_exception)
-    d_request = client.build_request("POST", f"{decode_url}/v1/completions", json=d_body)
+    d_request = client.build_request("POST", f"{decode_url}{path}", json=d_body)
     decode = asyncio.create_task(client.send(d_request, stream=True))
     done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
     if prefill in done:
@@ -204,10 +242,11 @@ async def _sequential(
     body: dict[str, Any],
     p_body: dict[str, Any],
     stream: bool,
+    path: str,
 ) -> tuple[Response, bool]:
     """Prefill first, then hand P's kv_transfer_params to D (for prefill instances that are not kvferry)."""
     try:
-        p_response = await client.post(f"{target.url}/v1/completions", json=p_body)
+        p_response = await client.post(f"{target.url}{path}", json=p_body)
     except httpx.HTTPError as exc:
         target.forget()
         return JSONResponse(error_body(f"prefill request failed: {exc!r}", "proxy_error", 502), 502), True
@@ -223,7 +262,7 @@ async def _sequential(
         check_kv_transfer_params(params)
     except KVParamsShapeError as exc:
         return JSONResponse(error_body(f"prefill answer: {exc}", "proxy_error", 502), 502), True
-    d_request = client.build_request("POST", f"{decode_url}/v1/completions", json={**body, "kv_transfer_params": params})
+    d_request = client.build_request("POST", f"{decode_url}{path}", json={**body, "kv_transfer_params": params})
     try:
         d_response = await client.send(d_request, stream=True)
     except httpx.HTTPError as exc:
