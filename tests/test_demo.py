@@ -28,7 +28,7 @@ def _run_demo(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     demo.add_arguments(parser)
     report_path = tmp_path / "report.json"
     args = parser.parse_args(
-        ["--requests", "8", "--max-prompt", "200", "--max-tokens", "4", "8", "--abort-timeout", "5",
+        ["--model", "tiny", "--requests", "8", "--max-prompt", "200", "--max-tokens", "4", "8", "--abort-timeout", "5",
          "--no-live", "--json", str(report_path), *extra]
     )  # fmt: skip
     before = _children()

@@ -56,6 +56,15 @@ def read_model_dir(path: Path) -> Checkpoint:
     for file in files:
         for name, array in load_file(str(file)).items():
             tensors[name] = _to_float32(array)
+    tokenizer_json, template, bos, eos = read_tokenizer(path)
+    eos_id = config.get("eos_token_id")
+    if isinstance(eos_id, list):
+        config["eos_token_id"] = eos_id[0]
+    return Checkpoint(config, tensors, tokenizer_json, template, bos, eos)
+
+
+def read_tokenizer(path: Path) -> tuple[str, str, str, str]:
+    """(tokenizer.json text, chat template, bos token, eos token) of a model directory."""
     tok_config: dict[str, Any] = {}
     if (path / "tokenizer_config.json").exists():
         tok_config = json.loads((path / "tokenizer_config.json").read_text())
@@ -66,12 +75,7 @@ def read_model_dir(path: Path) -> Checkpoint:
         raise ValueError(f"{path}: no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
     if not (path / "tokenizer.json").exists():
         raise ValueError(f"{path}: no tokenizer.json")
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        config["eos_token_id"] = eos[0]
-    return Checkpoint(
-        config,
-        tensors,
+    return (
         (path / "tokenizer.json").read_text(),
         template,
         _token_text(tok_config.get("bos_token")),

@@ -8,6 +8,7 @@ A GGUF is converted once into a float32 HF directory under the cache (`$KVFERRY_
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvferry.engine.checkpoint import read_model_dir, write_model_dir
+from kvferry.engine.checkpoint import read_model_dir, read_tokenizer, write_model_dir
 from kvferry.engine.gguf_import import Checkpoint
 from kvferry.engine.model import LayerWeights, LlamaWeights, ModelConfig, TinyLlama
 from kvferry.engine.text import BPECodec, ByteCodec, TextCodec
@@ -43,21 +44,31 @@ class LoadedModel:
 def load_model(spec: str = "tiny", seed: int = 0) -> LoadedModel:
     if spec == "tiny":
         return LoadedModel(TINY_NAME, TinyLlama(ModelConfig(seed=seed)), ByteCodec(), spec)
-    if spec == "smollm2":
-        model_dir = cached_model_dir(smollm2_gguf())
-        loaded = from_checkpoint(read_model_dir(model_dir), SMOLLM2_NAME)
-        loaded.spec = spec
-        return loaded
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        checkpoint = read_model_dir(path)
-    elif path.is_file() and path.suffix == ".gguf":
-        checkpoint = read_model_dir(cached_model_dir(path))
-    else:
-        raise ModelLoadError(f"--model {spec!r}: not 'tiny', 'smollm2', a .gguf file or a model directory")
-    loaded = from_checkpoint(checkpoint, path.stem if path.is_file() else path.name)
+    loaded = from_checkpoint(read_model_dir(model_dir(spec)), resolve_name(spec))
     loaded.spec = spec
     return loaded
+
+
+def model_dir(spec: str) -> Path:
+    """The HF directory behind a real-model spec (a GGUF is converted into the cache first)."""
+    if spec == "smollm2":
+        return cached_model_dir(smollm2_gguf())
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return cached_model_dir(path)
+    raise ModelLoadError(f"--model {spec!r}: not 'tiny', 'smollm2', a .gguf file or a model directory")
+
+
+def load_codec(spec: str) -> TextCodec:
+    """Only the tokenizer and chat template of `--model spec` (no weights): for clients and harnesses."""
+    if spec == "tiny":
+        return ByteCodec()
+    path = model_dir(spec)
+    tokenizer_json, template, bos, _ = read_tokenizer(path)
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    return BPECodec(tokenizer_json, template, int(eos[0] if isinstance(eos, list) else eos), bos)
 
 
 def resolve_name(spec: str) -> str:

@@ -24,6 +24,8 @@ class WorkItem:
     index: int
     prompt: list[int]
     max_tokens: int
+    ignore_eos: bool = True  # random byte prompts run to max_tokens; a real model's chat stops at EOS
+    question: str = ""  # the chat question behind `prompt` (real models), for the report
 
 
 def make_workload(
@@ -124,7 +126,7 @@ async def run_request(
         "prompt": item.prompt,
         "max_tokens": item.max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
+        "ignore_eos": item.ignore_eos,
         "stream": True,
     }
     result.outcome, result.sent_at = "running", time.monotonic() - t0

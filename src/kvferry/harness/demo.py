@@ -44,9 +44,11 @@ from rich.table import Table
 from rich.text import Text
 
 from kvferry.connector.faults import FaultSpec
+from kvferry.engine.loader import ModelLoadError, load_codec
 from kvferry.harness.client import make_workload, new_results, run_workload
 from kvferry.harness.plot import write_plot
 from kvferry.harness.processes import PDSystem, PDSystemConfig, default_blas_threads
+from kvferry.harness.questions import chat_workload
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.report import BYTES, RECOMPUTED, TRANSFERS, DemoRun, build_report, print_report
 from kvferry.harness.sampler import SystemSampler, is_drained
@@ -55,7 +57,15 @@ DEFAULT_FAULTS = "transport=0.06,corrupt=0.04,error_reply=0.04,seed=7"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=50, help="number of requests (default 50)")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (default: SmolLM2-135M-Instruct answers chat questions), tiny (random weights, "
+        "byte prompts of 1 to --max-prompt tokens), or a GGUF file / HF directory",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=None, help="number of requests (default 6 for a real model, 50 for tiny)"
+    )
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     parser.add_argument(
         "--faults",
@@ -76,20 +86,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens",
         type=int,
         nargs=2,
-        default=(8, 32),
+        default=None,
         metavar=("MIN", "MAX"),
-        help="output length range (default 8 32)",
+        help="output length range (default 16 32 for a real model, which stops at EOS; 8 32 for tiny)",
     )
     parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per instance")
     parser.add_argument("--p-tp", type=int, default=1, help="tensor-parallel ranks of P")
     parser.add_argument("--d-tp", type=int, default=1, help="tensor-parallel ranks of D")
-    parser.add_argument("--abort-timeout", type=float, default=10.0, help="P's --abort-timeout (s)")
-    parser.add_argument("--kv-load-deadline", type=float, default=20.0, help="D's --kv-load-deadline (s)")
+    parser.add_argument(
+        "--abort-timeout", type=float, default=None, help="P's --abort-timeout (s; default 30 real model, 10 tiny)"
+    )
+    parser.add_argument(
+        "--kv-load-deadline", type=float, default=None, help="D's --kv-load-deadline (s; default 60 real, 20 tiny)"
+    )
     parser.add_argument(
         "--request-timeout",
         type=float,
-        default=90.0,
-        help="a request with no complete answer by then counts as stuck (s)",
+        default=None,
+        help="a request with no complete answer by then counts as stuck (s; default 300 real model, 90 tiny)",
     )
     parser.add_argument(
         "--reference-timeout",
@@ -195,6 +209,10 @@ def _render(run: DemoRun, width: int = 120) -> Group:
         tables.add_row(requests, transfer)
         tables.add_row(blocks, "")
     lines: list[Any] = [header, setup, bar, tables]
+    answered = [(i, r) for i, r in zip(run.items, run.results, strict=True) if i.question and r.outcome == "ok"]
+    for item, result in answered[-3:]:  # a real model's latest answers
+        answer = " ".join(result.text.split())
+        lines.append(Text.assemble(("Q ", "bold"), item.question[-60:], ("  A ", "bold"), answer[: width - 70]))
     if run.phase == "checking outputs":
         lines.append(Text(f"colocated reference outputs: {len(run.ref.results)}/{run.ref.expected}", "dim"))
     return Group(*lines)
@@ -275,6 +293,20 @@ async def _drive(run: DemoRun, console: Console, live: bool) -> None:
         await asyncio.gather(*background, return_exceptions=True)
 
 
+def _print_answers(console: Console, run: DemoRun, limit: int = 4) -> None:
+    """A few real answers, each marked with whether it equals the colocated reference."""
+    shown = 0
+    for item, result in zip(run.items, run.results, strict=True):
+        if not item.question or result.outcome != "ok" or shown >= limit:
+            continue
+        shown += 1
+        same = run.ref.results.get(item.index) == result.text
+        mark = Text("= colocated" if same else "≠ colocated", "green" if same else "red")
+        question = item.question if len(item.question) < 90 else "…" + item.question[-80:]
+        console.print(Text.assemble(("Q ", "bold"), question))
+        console.print(Text.assemble(("A ", "bold"), result.text.strip(), "  ", mark))
+
+
 # ---- entry point ------------------------------------------------------------------------------------------
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -302,13 +334,32 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"kvferry demo: --faults: {exc}", style="red")
         return 2
+    real = args.model != "tiny"
+    if args.requests is None:
+        args.requests = 6 if real else 50
+    if args.max_tokens is None:
+        args.max_tokens = (16, 32) if real else (8, 32)
+    # A real model's prefill takes seconds on a loaded box: P must not give up on a pull that soon.
+    for name, real_default, tiny_default in (
+        ("abort_timeout", 30.0, 10.0), ("kv_load_deadline", 60.0, 20.0), ("request_timeout", 300.0, 90.0)
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, real_default if real else tiny_default)
     if args.requests < 1 or args.concurrency < 1 or args.max_prompt < 1:
         console.print("kvferry demo: --requests, --concurrency and --max-prompt must be >= 1", style="red")
         return 2
     if not 1 <= args.max_tokens[0] <= args.max_tokens[1]:
         console.print("kvferry demo: --max-tokens MIN MAX needs 1 <= MIN <= MAX", style="red")
         return 2
-    items = make_workload(args.requests, args.seed, args.max_prompt, tuple(args.max_tokens))
+    if real:
+        try:
+            codec = load_codec(args.model)
+        except (ModelLoadError, ValueError) as exc:
+            console.print(f"kvferry demo: --model: {exc}", style="red")
+            return 2
+        items = chat_workload(codec, args.requests, args.seed, tuple(args.max_tokens))
+    else:
+        items = make_workload(args.requests, args.seed, args.max_prompt, tuple(args.max_tokens))
     config = PDSystemConfig(
         seed=args.seed,
         policy=args.policy,
@@ -319,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
         abort_timeout=args.abort_timeout,
         kv_load_deadline=args.kv_load_deadline,
         blas_threads=args.blas_threads,
+        serve_args=("--model", args.model),
     )
     system = PDSystem(config)
     live = not args.no_live and console.is_terminal
@@ -326,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     handlers = _on_signals(_interrupt)  # SIGTERM too, so that `finally` runs and stops every process
     ref: ReferenceWorker | None = None
     try:
-        ref = ReferenceWorker(args.seed, args.blas_threads)
+        ref = ReferenceWorker(args.seed, args.blas_threads, args.model)
         ref.submit(items)
         with console.status("starting prefill, decode and proxy on loopback ..."):
             system.start()
@@ -359,6 +411,7 @@ def run(args: argparse.Namespace) -> int:
             for proc in system.procs:
                 console.print(f"log of {proc.name}: {proc.log_path}", style="dim")
     print_report(console, report)
+    _print_answers(console, demo)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,4 +1,4 @@
-"""The colocated reference for demo and chaos: `TinyLlama.generate_greedy` in a side process
+"""The colocated reference for demo and chaos: `generate_greedy` of the `--model` in a side process
 (`python -m kvferry.harness.reference`), at low CPU priority so that the system under test gets the CPU first,
 with the same BLAS thread count as the instances (greedy outputs are bit-identical only for one)."""
 
@@ -25,14 +25,14 @@ class ReferenceWorker:
     The child runs at nice 10 so that the system under test gets the CPU first.
     """
 
-    def __init__(self, seed: int, blas_threads: int) -> None:
+    def __init__(self, seed: int, blas_threads: int, model: str = "tiny") -> None:
         self.results: dict[int, str] = {}
         self.expected = 0
         self.error: str | None = None
         self._done = threading.Event()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.harness.reference", "--seed", str(seed)],
+            [sys.executable, "-m", "kvferry.harness.reference", "--seed", str(seed), "--model", model],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -44,7 +44,8 @@ class ReferenceWorker:
     def submit(self, items: Iterable[WorkItem]) -> None:
         """Hand the items to the child (from a thread: the pipe may be smaller than the workload)."""
         lines = [
-            json.dumps({"index": item.index, "prompt": item.prompt, "max_tokens": item.max_tokens}) + "\n"
+            json.dumps({"index": item.index, "prompt": item.prompt, "max_tokens": item.max_tokens,
+                        "ignore_eos": item.ignore_eos}) + "\n"
             for item in items
         ]
         self.expected = len(lines)
@@ -102,18 +103,21 @@ def _reference_main(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m kvferry.harness.reference")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="tiny")
     args = parser.parse_args(argv)
     with contextlib.suppress(OSError):
         os.nice(10)
-    from kvferry.engine.model import ModelConfig, TinyLlama
-    from kvferry.engine.tokenizer import decode
+    from kvferry.engine.loader import load_model
 
-    model = TinyLlama(ModelConfig(seed=args.seed))
+    loaded = load_model(args.model, args.seed)
+    model, codec = loaded.model, loaded.codec
     # Read everything first, so the parent's writes never wait on a busy child.
     items = [json.loads(raw) for raw in sys.stdin.read().splitlines() if raw.strip()]
     for item in items:
-        tokens = model.generate_greedy(item["prompt"], int(item["max_tokens"]), stop_at_eos=False)
-        sys.stdout.write(json.dumps({"index": item["index"], "text": decode(tokens)}) + "\n")
+        tokens = model.generate_greedy(
+            item["prompt"], int(item["max_tokens"]), stop_at_eos=not item["ignore_eos"], eos_token_id=codec.eos_token_id
+        )
+        sys.stdout.write(json.dumps({"index": item["index"], "text": codec.decode(tokens)}) + "\n")
         sys.stdout.flush()
     return 0
 
