@@ -1,5 +1,5 @@
 """kvferry P and D driven by the real router binaries (vllm-router 0.1.17 in NIXL and Mooncake mode,
-sglang-router 0.3.2): answers equal `kvferry proxy`'s, and the transfer counters prove that every
+sglang-router 0.3.2): completions and chat completions, streaming and not, equal `kvferry proxy`'s, and the transfer counters prove that every
 request was disaggregated, split exactly by round robin over 2 P and 2 D."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Cluster:
     prefills: list[Proc]
     decodes: list[Proc]
     expected: dict[str, str]  # prompt → text through `kvferry proxy`
+    expected_chat: dict[str, str]  # user message → the assistant's answer through `kvferry proxy`
 
 
 def instance(role: str) -> Proc:
@@ -45,7 +46,8 @@ def cluster() -> Iterator[Cluster]:
                  f"http://127.0.0.1:{port}")
     with running(*prefills, *decodes, proxy):
         expected = {prompt: complete(proxy.url, prompt, stream=False) for prompt in PROMPTS}
-        yield Cluster(prefills, decodes, expected)
+        expected_chat = {prompt: chat(proxy.url, prompt, stream=False) for prompt in PROMPTS[:3]}
+        yield Cluster(prefills, decodes, expected, expected_chat)
 
 
 def complete(url: str, prompt: str, stream: bool) -> str:
@@ -58,6 +60,19 @@ def complete(url: str, prompt: str, stream: bool) -> str:
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", r.text[-500:]
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
+def chat(url: str, message: str, stream: bool) -> str:
+    body = {"model": "kvferry-tiny-llama", "messages": [{"role": "user", "content": message}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return str(r.json()["choices"][0]["message"]["content"])
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", r.text[-500:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
 def transfers(proc: Proc) -> float:
@@ -84,6 +99,9 @@ def test_router_answers_match_proxy_and_every_request_is_disaggregated(
         for stream in (False, True):
             for prompt in PROMPTS:
                 assert complete(r.url, prompt, stream) == cluster.expected[prompt], (mode, prompt, stream)
+                sent += 1
+            for message, answer in cluster.expected_chat.items():
+                assert chat(r.url, message, stream) == answer, (mode, message, stream)
                 sent += 1
         # Every request was pulled by a D from a P (none computed in full on D), split evenly.
         for proc in prefills + decodes:
