@@ -10,16 +10,16 @@ import itertools
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvferry.serving.api_server import install_error_handlers
+from kvferry.serving.instances import Instance, InstancePool, PrefillTarget
 from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.openai_chat import ChatCompletionRequest
 from kvferry.serving.protocol import (
@@ -30,39 +30,14 @@ from kvferry.serving.protocol import (
     error_responses,
     validation_message,
 )
+from kvferry.serving.proxy_attempt import Attempt, Outcome
 
 RETRY_BACKOFF_S = 0.25
 TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
 ATTEMPTS_HEADER = "x-kvferry-attempts"
 # Not relayed from D: hop-by-hop headers, and the ones the proxy's own server sets (no duplicates).
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}
-
-
-@dataclass
-class PrefillTarget:
-    url: str
-    engine_id: str = ""
-    bootstrap_addr: str = ""
-    known: bool = False
-    # A prefill instance that does not announce its engine id and bootstrap address (vLLM's /health
-    # answers an empty 200) is used sequentially: its answer's kv_transfer_params are handed to D.
-    sequential: bool = False
-    pinned: bool = False  # sequential by configuration, whatever /health says
-
-    async def refresh(self, client: httpx.AsyncClient) -> None:
-        r = await client.get(f"{self.url}/health", timeout=5.0)
-        r.raise_for_status()
-        try:
-            info = r.json()
-            self.engine_id, self.bootstrap_addr = str(info["engine_id"]), str(info["kv_bootstrap_addr"])
-            self.sequential = self.pinned
-        except (ValueError, KeyError, TypeError):
-            self.sequential = True
-        self.known = True
-
-    def forget(self) -> None:
-        """P may have restarted (with another engine id): ask again next time."""
-        self.known = False
+# How often a waiting handler checks whether its client went away (then both requests are dropped).
+_DISCONNECT_POLL_S = 0.1
 
 
 class ProxyMetrics:
@@ -70,6 +45,9 @@ class ProxyMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvferry_proxy_requests", "Proxied requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.ejections = Counter(
+            "kvferry_proxy_ejections", "Instances ejected after a failed connect", ["role"], registry=self.registry
         )
 
 
@@ -81,22 +59,25 @@ def build_proxy_app(
     retry_unreachable: int = 3,
 ) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    prefills = InstancePool([PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential)
+                             for u in prefill_urls], client)
+    decodes = InstancePool([Instance(u.rstrip("/")) for u in decode_urls], client)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        await prefills.close()
+        await decodes.close()
         await client.aclose()
 
     app = FastAPI(title="kvferry P/D proxy", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    prefills = [PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential) for u in prefill_urls]
-    decodes = [u.rstrip("/") for u in decode_urls]
-    next_p, next_d = itertools.cycle(range(len(prefills))), itertools.cycle(range(len(decodes)))
     metrics = ProxyMetrics()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "role": "proxy", "prefill": prefill_urls, "decode": decode_urls}
+        ejected = [i.url for i in [*prefills.instances, *decodes.instances] if i.ejected]
+        return {"status": "ok", "role": "proxy", "prefill": prefill_urls, "decode": decode_urls, "ejected": ejected}
 
     @app.get("/metrics", response_class=Response, responses=METRICS_200)
     async def prom() -> Response:
@@ -109,9 +90,10 @@ def build_proxy_app(
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            r = await client.get(f"{decodes[0]}/v1/models", timeout=10.0)
+            r = await client.get(f"{decodes.instances[0].url}/v1/models", timeout=10.0)
         except httpx.HTTPError as exc:
-            return JSONResponse(error_body(f"decode {decodes[0]} unavailable: {exc!r}", "proxy_error", 502), 502)
+            url = decodes.instances[0].url
+            return JSONResponse(error_body(f"decode {url} unavailable: {exc!r}", "proxy_error", 502), 502)
         return Response(r.content, r.status_code, media_type="application/json")
 
     @app.post(
@@ -152,26 +134,46 @@ def build_proxy_app(
             return JSONResponse(error_body(validation_message(exc), "invalid_request_error", 400), 400)
         except KVParamsShapeError as exc:
             return JSONResponse(error_body(str(exc), "invalid_request_error", 400), 400)
+        serving = asyncio.create_task(_serve(body, path))
+        # A client that goes away (before the answer starts) takes both of its requests with it.
+        while True:
+            done, _ = await asyncio.wait({serving}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return serving.result()
+            if await request.is_disconnected():
+                serving.cancel()
+                await asyncio.gather(serving, return_exceptions=True)
+                metrics.requests.labels(outcome="client_gone").inc()
+                return Response(status_code=499)
+
+    async def _serve(body: dict[str, Any], path: str) -> Response:
         stream = bool(body.get("stream"))
         kv_failures = unreachable = 0
+        last_p: PrefillTarget | None = None
+        last_d: Instance | None = None
         for attempt in itertools.count():
-            target = prefills[next(next_p)]
-            decode_url = decodes[next(next_d)]
+            target, decode = prefills.pick(avoid=last_p), decodes.pick(avoid=last_d)
+            ejections = prefills.ejections(), decodes.ejections()
             transfer_id = f"xfer-{uuid.uuid4()}"
-            response, retryable = await _one_attempt(client, target, decode_url, body, stream, transfer_id, path)
+            response, outcome = await Attempt(
+                client, prefills, decodes, target, decode, body, stream, transfer_id, path
+            ).run()
+            metrics.ejections.labels(role="prefill").inc(prefills.ejections() - ejections[0])
+            metrics.ejections.labels(role="decode").inc(decodes.ejections() - ejections[1])
             # Lets a client (or `kvferry chaos`) match the answer with the fault function's prediction.
             response.headers[TRANSFER_ID_HEADER] = transfer_id
             response.headers[ATTEMPTS_HEADER] = str(attempt + 1)
             # Two budgets: KV-load failures (--retries) and instances that cannot be reached at all
-            # (--retry-unreachable, with backoff while a restarted instance comes up).
-            is_unreachable = response.status_code == 502
-            kv_failures += retryable and not is_unreachable
-            unreachable += retryable and is_unreachable
-            if not retryable or kv_failures > retries or unreachable > retry_unreachable:
+            # (--retry-unreachable). The next attempt avoids the instance that failed; it backs off only
+            # when no other healthy instance is left (a restarted one is coming up).
+            kv_failures += outcome is Outcome.KV_FAILED
+            unreachable += outcome is Outcome.UNREACHABLE
+            if outcome is Outcome.DONE or kv_failures > retries or unreachable > retry_unreachable:
                 metrics.requests.labels(outcome=str(response.status_code)).inc()
                 return response
             metrics.requests.labels(outcome="retried").inc()
-            if is_unreachable:
+            last_p, last_d = target, decode
+            if outcome is Outcome.UNREACHABLE and (prefills.healthy() == 0 or decodes.healthy() == 0):
                 await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (unreachable - 1)))
         raise AssertionError("unreachable")
 
@@ -182,137 +184,3 @@ def _is_json(content_type: str) -> bool:
     """What FastAPI accepts as a JSON body: application/json or a `+json` subtype."""
     main = content_type.split(";", 1)[0].strip().lower()
     return main == "application/json" or (main.startswith("application/") and main.endswith("+json"))
-
-
-async def _one_attempt(
-    client: httpx.AsyncClient,
-    target: PrefillTarget,
-    decode_url: str,
-    body: dict[str, Any],
-    stream: bool,
-    transfer_id: str,
-    path: str,
-) -> tuple[Response, bool]:
-    """(response, retryable): a KV-load failure before any token reached the client may be retried."""
-    if not target.known:
-        try:
-            await target.refresh(client)
-        except httpx.HTTPError as exc:
-            return JSONResponse(error_body(f"prefill {target.url} unavailable: {exc!r}", "proxy_error", 502), 502), True
-    # P computes the prompt's KV and one token (a chat's max_completion_tokens would outrank max_tokens).
-    p_body = {**body, "max_tokens": 1, "stream": False,
-              "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}}
-    p_body.pop("max_completion_tokens", None)
-    p_body.pop("stream_options", None)
-    if target.sequential:
-        return await _sequential(client, target, decode_url, body, p_body, stream, path)
-    d_body = {**body, "kv_transfer_params": {
-        "do_remote_prefill": True,
-        "transfer_id": transfer_id,
-        "remote_engine_id": target.engine_id,
-        "remote_bootstrap_addr": target.bootstrap_addr,
-    }}
-    prefill = asyncio.create_task(client.post(f"{target.url}{path}", json=p_body))
-    prefill.add_done_callback(_consume_exception)
-    d_request = client.build_request("POST", f"{decode_url}{path}", json=d_body)
-    decode = asyncio.create_task(client.send(d_request, stream=True))
-    done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-    if prefill in done:
-        p_error = _prefill_error(prefill)
-        if p_error is not None:
-            # P will never produce this KV: drop D's request (D aborts its pull) and say why.
-            decode.cancel()
-            await asyncio.gather(decode, return_exceptions=True)
-            if decode.done() and not decode.cancelled() and decode.exception() is None:
-                await decode.result().aclose()
-            target.forget()
-            return p_error, p_error.status_code >= 500
-    try:
-        d_response = await decode
-    except httpx.HTTPError as exc:
-        prefill.cancel()
-        return JSONResponse(error_body(f"decode {decode_url} unavailable: {exc!r}", "proxy_error", 502), 502), True
-    return await _relay_decode(d_response, target, stream, prefill)
-
-
-async def _sequential(
-    client: httpx.AsyncClient,
-    target: PrefillTarget,
-    decode_url: str,
-    body: dict[str, Any],
-    p_body: dict[str, Any],
-    stream: bool,
-    path: str,
-) -> tuple[Response, bool]:
-    """Prefill first, then hand P's kv_transfer_params to D (for prefill instances that are not kvferry)."""
-    try:
-        p_response = await client.post(f"{target.url}{path}", json=p_body)
-    except httpx.HTTPError as exc:
-        target.forget()
-        return JSONResponse(error_body(f"prefill request failed: {exc!r}", "proxy_error", 502), 502), True
-    if p_response.status_code != 200:
-        return Response(p_response.content, p_response.status_code, media_type="application/json"), p_response.status_code >= 500
-    try:
-        params = p_response.json()["kv_transfer_params"]
-    except (ValueError, KeyError, TypeError):
-        params = None
-    if not isinstance(params, dict):
-        return JSONResponse(error_body("prefill answer carries no kv_transfer_params", "proxy_error", 502), 502), True
-    try:
-        check_kv_transfer_params(params)
-    except KVParamsShapeError as exc:
-        return JSONResponse(error_body(f"prefill answer: {exc}", "proxy_error", 502), 502), True
-    d_request = client.build_request("POST", f"{decode_url}{path}", json={**body, "kv_transfer_params": params})
-    try:
-        d_response = await client.send(d_request, stream=True)
-    except httpx.HTTPError as exc:
-        return JSONResponse(error_body(f"decode {decode_url} unavailable: {exc!r}", "proxy_error", 502), 502), True
-    return await _relay_decode(d_response, target, stream, None)
-
-
-async def _relay_decode(
-    d_response: httpx.Response, target: PrefillTarget, stream: bool, prefill: asyncio.Task[httpx.Response] | None
-) -> tuple[Response, bool]:
-    """D's answer for the client; a 500 kv_load_failed (before any token) is retryable."""
-    if d_response.status_code != 200:
-        content = await d_response.aread()
-        await d_response.aclose()
-        retryable = d_response.status_code == 500 and b"kv_load_failed" in content
-        if retryable:
-            target.forget()
-        return Response(content, d_response.status_code, media_type="application/json"), retryable
-    headers = {k: v for k, v in d_response.headers.items() if k.lower() not in _HOP_HEADERS}
-    if not stream:
-        content = await d_response.aread()
-        await d_response.aclose()
-        return Response(content, 200, headers=headers), False
-    return StreamingResponse(_relay(d_response, prefill), 200, headers=headers), False
-
-
-def _consume_exception(task: asyncio.Task[httpx.Response]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved here so an ignored P failure is not logged as "never retrieved"
-
-
-def _prefill_error(prefill: asyncio.Task[httpx.Response]) -> JSONResponse | None:
-    exc = prefill.exception()
-    if exc is not None:
-        return JSONResponse(error_body(f"prefill request failed: {exc!r}", "proxy_error", 502), 502)
-    r = prefill.result()
-    if r.status_code == 200:
-        return None
-    try:
-        content = r.json()
-    except ValueError:
-        content = error_body(r.text[:500], "proxy_error", r.status_code)
-    return JSONResponse(content, r.status_code)
-
-
-async def _relay(d_response: httpx.Response, prefill: asyncio.Task[httpx.Response] | None) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in d_response.aiter_raw():
-            yield chunk
-    finally:
-        await d_response.aclose()
-        if prefill is not None and not prefill.done():
-            prefill.cancel()

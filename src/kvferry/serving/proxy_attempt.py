@@ -1,0 +1,199 @@
+"""One attempt of the proxy: a prefill on P and a decode on D with one transfer_id, and what the
+outcome means for a retry. Whatever ends the attempt (an error on either side, D turning the request
+away, the client leaving) cancels the other side's request at once, so P never keeps prefilling, or
+holding blocks for, a request nobody will pull."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvferry.serving.instances import Instance, InstancePool, PrefillTarget
+from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
+from kvferry.serving.protocol import error_body
+
+# Not relayed from D: hop-by-hop headers, and the ones the proxy's own server sets (no duplicates).
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}
+# After D reports a failed KV load, how long to wait for P's own request to show whether P is gone.
+_P_VERDICT_WAIT_S = 0.5
+
+
+class Outcome(enum.Enum):
+    DONE = "done"  # final: the client gets this answer
+    KV_FAILED = "kv_failed"  # a KV-load failure before the first token (--retries)
+    UNREACHABLE = "unreachable"  # an instance could not be reached or died (--retry-unreachable)
+
+
+@dataclass
+class Attempt:
+    client: httpx.AsyncClient
+    prefills: InstancePool[PrefillTarget]
+    decodes: InstancePool[Instance]
+    target: PrefillTarget
+    decode: Instance
+    body: dict[str, Any]
+    stream: bool
+    transfer_id: str
+    path: str = "/v1/completions"  # or /v1/chat/completions
+
+    async def run(self) -> tuple[Response, Outcome]:
+        if not self.target.known:
+            try:
+                await self.target.refresh(self.client)
+            except httpx.HTTPError as exc:
+                return self._unreachable(self.prefills, self.target, f"prefill {self.target.url} unavailable: {exc!r}")
+        # P computes the prompt's KV and one token (a chat's max_completion_tokens would outrank max_tokens).
+        p_body = {**self.body, "max_tokens": 1, "stream": False,
+                  "kv_transfer_params": {"do_remote_decode": True, "transfer_id": self.transfer_id}}
+        p_body.pop("max_completion_tokens", None)
+        p_body.pop("stream_options", None)
+        if self.target.sequential:
+            return await self._sequential(p_body)
+        d_body = {**self.body, "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "transfer_id": self.transfer_id,
+            "remote_engine_id": self.target.engine_id,
+            "remote_bootstrap_addr": self.target.bootstrap_addr,
+        }}
+        prefill = asyncio.create_task(self.client.post(f"{self.target.url}{self.path}", json=p_body))
+        prefill.add_done_callback(_consume_exception)
+        d_request = self.client.build_request("POST", f"{self.decode.url}{self.path}", json=d_body)
+        decode = asyncio.create_task(self.client.send(d_request, stream=True))
+        handed_over = False
+        try:
+            done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done:
+                verdict = self._prefill_verdict(prefill)
+                if verdict is not None:
+                    return verdict  # P will never produce this KV: D's request is dropped below
+            try:
+                d_response = await decode
+            except httpx.HTTPError as exc:
+                return self._unreachable(self.decodes, self.decode, f"decode {self.decode.url} unavailable: {exc!r}")
+            result = await self._relay(d_response, prefill)
+            handed_over = result[0].status_code == 200 and self.stream
+            return result
+        finally:
+            # Every way out (an error, D's 4xx, the client leaving = CancelledError) drops both requests,
+            # except a stream being relayed: its generator owns them now.
+            if not handed_over:
+                await _cancel(decode, prefill if not prefill.done() else None)
+
+    def _unreachable(self, pool: InstancePool[Any], instance: Instance, message: str) -> tuple[Response, Outcome]:
+        pool.eject(instance, message)
+        return JSONResponse(error_body(message, "proxy_error", 502), 502), Outcome.UNREACHABLE
+
+    def _prefill_verdict(self, prefill: asyncio.Task[httpx.Response]) -> tuple[Response, Outcome] | None:
+        exc = prefill.exception()
+        if exc is not None:
+            return self._unreachable(self.prefills, self.target, f"prefill request failed: {exc!r}")
+        r = prefill.result()
+        if r.status_code == 200:
+            return None
+        if r.status_code == 503:  # P's engine is dead: /health says so too, the probe brings it back
+            return self._unreachable(self.prefills, self.target, f"prefill {self.target.url} answered 503")
+        self.target.forget()
+        try:
+            content = r.json()
+        except ValueError:
+            content = error_body(r.text[:500], "proxy_error", r.status_code)
+        return JSONResponse(content, r.status_code), Outcome.KV_FAILED if r.status_code >= 500 else Outcome.DONE
+
+    async def _relay(
+        self, d_response: httpx.Response, prefill: asyncio.Task[httpx.Response] | None
+    ) -> tuple[Response, Outcome]:
+        """D's answer for the client; a 500 kv_load_failed (before any token) is retryable."""
+        if d_response.status_code != 200:
+            content = await d_response.aread()
+            await d_response.aclose()
+            if prefill is not None and not prefill.done():
+                prefill.cancel()  # D turned it away: P must not go on prefilling it
+            if d_response.status_code == 503:
+                return self._unreachable(self.decodes, self.decode, f"decode {self.decode.url} answered 503")
+            response = Response(content, d_response.status_code, media_type="application/json")
+            if d_response.status_code != 500 or b"kv_load_failed" not in content:
+                return response, Outcome.DONE
+            self.target.forget()
+            if prefill is not None and await self._p_is_gone(prefill):
+                self.prefills.eject(self.target, "its request failed while D's load failed")
+                return response, Outcome.UNREACHABLE
+            return response, Outcome.KV_FAILED
+        headers = {k: v for k, v in d_response.headers.items() if k.lower() not in _HOP_HEADERS}
+        if not self.stream:
+            content = await d_response.aread()
+            await d_response.aclose()
+            return Response(content, 200, headers=headers), Outcome.DONE
+        return StreamingResponse(_relay(d_response, prefill), 200, headers=headers), Outcome.DONE
+
+    async def _p_is_gone(self, prefill: asyncio.Task[httpx.Response]) -> bool:
+        """Did D's load fail because P died (its own HTTP request broke, or its /health does not answer)?"""
+        await asyncio.wait({prefill}, timeout=_P_VERDICT_WAIT_S)
+        if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+            return True
+        try:
+            r = await self.client.get(f"{self.target.url}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return True
+        return r.status_code != 200
+
+    async def _sequential(self, p_body: dict[str, Any]) -> tuple[Response, Outcome]:
+        """Prefill first, then hand P's kv_transfer_params to D (for prefill instances that are not kvferry)."""
+        try:
+            p_response = await self.client.post(f"{self.target.url}{self.path}", json=p_body)
+        except httpx.HTTPError as exc:
+            return self._unreachable(self.prefills, self.target, f"prefill request failed: {exc!r}")
+        if p_response.status_code != 200:
+            outcome = Outcome.KV_FAILED if p_response.status_code >= 500 else Outcome.DONE
+            return Response(p_response.content, p_response.status_code, media_type="application/json"), outcome
+        try:
+            params = p_response.json()["kv_transfer_params"]
+        except (ValueError, KeyError, TypeError):
+            params = None
+        if not isinstance(params, dict):
+            return JSONResponse(error_body("prefill answer carries no kv_transfer_params", "proxy_error", 502), 502), \
+                Outcome.KV_FAILED
+        try:
+            check_kv_transfer_params(params)
+        except KVParamsShapeError as exc:
+            return JSONResponse(error_body(f"prefill answer: {exc}", "proxy_error", 502), 502), Outcome.KV_FAILED
+        d_request = self.client.build_request(
+            "POST", f"{self.decode.url}{self.path}", json={**self.body, "kv_transfer_params": params}
+        )
+        try:
+            d_response = await self.client.send(d_request, stream=True)
+        except httpx.HTTPError as exc:
+            return self._unreachable(self.decodes, self.decode, f"decode {self.decode.url} unavailable: {exc!r}")
+        return await self._relay(d_response, None)
+
+
+async def _cancel(decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[httpx.Response] | None) -> None:
+    """Drop requests still open: closing the connection makes the instance abort the request."""
+    tasks = [t for t in (decode, prefill) if t is not None]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if decode.done() and not decode.cancelled() and decode.exception() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            await decode.result().aclose()
+
+
+def _consume_exception(task: asyncio.Task[httpx.Response]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved here so an ignored P failure is not logged as "never retrieved"
+
+
+async def _relay(d_response: httpx.Response, prefill: asyncio.Task[httpx.Response] | None) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in d_response.aiter_raw():
+            yield chunk
+    finally:
+        await d_response.aclose()
+        if prefill is not None and not prefill.done():
+            prefill.cancel()

@@ -1,0 +1,116 @@
+"""Issue 13.9 / 13.10 through real processes: the proxy ejects a dead P and retries elsewhere (0 lost
+with kill -9 of one of 2 P), and a request that D rejects or the client abandons is cancelled on P at
+once (P's blocks free within a second or so, not after P's 30 s abort timeout)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from procs import Proc, free_port, running, serve, wait_until
+
+COMMON = ("--seed", "0", "--heartbeat-timeout", "3.0")
+
+
+def _proxy(prefills: list[Proc], decodes: list[Proc], *extra: str) -> Proc:
+    port = free_port()
+    args = ["proxy", "--port", str(port), *extra]
+    for p in prefills:
+        args += ["--prefill", p.url]
+    for d in decodes:
+        args += ["--decode", d.url]
+    return Proc(args, f"http://127.0.0.1:{port}")
+
+
+def _prefill(*extra: str) -> Proc:
+    return serve(None, "--role", "prefill", "--bootstrap-port", str(free_port()), *COMMON, *extra)
+
+
+def _all_free(proc: Proc) -> bool:
+    """Every block free, by a fresh snapshot (a stale one predates the step in progress)."""
+    state = httpx.get(f"{proc.url}/debug/state", timeout=10).json()
+    return not state["stale"] and state["blocks_free"] == state["blocks_total"]
+
+
+def _finished(proc: Proc) -> dict[str, float]:
+    prefix = "kvferry_requests_finished_total{reason=\""
+    lines = httpx.get(f"{proc.url}/metrics", timeout=10).text.splitlines()
+    return {ln[len(prefix):].split('"')[0]: float(ln.split()[-1]) for ln in lines if ln.startswith(prefix)}
+
+
+@pytest.mark.timeout(240)
+def test_kill_9_of_one_of_two_prefills_loses_no_request() -> None:
+    p1, p2 = _prefill("--num-blocks", "512"), _prefill("--num-blocks", "512")
+    d = serve(None, "--role", "decode", "--num-blocks", "512", *COMMON)
+    proxy = _proxy([p1, p2], [d])
+    statuses: list[int] = []
+    done = threading.Event()
+
+    def one(i: int) -> int:
+        body = {"prompt": f"request {i}: " + "kv " * 40, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120)
+        statuses.append(r.status_code)
+        return r.status_code
+
+    with running(p1, p2, d, proxy, timeout=60):
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(one, i) for i in range(50)]
+            wait_until(lambda: len(statuses) >= 10, 120, "10 requests answered")
+            os.kill(p1.pid, signal.SIGKILL)
+            results = [f.result() for f in futures]
+            done.set()
+        health = httpx.get(f"{proxy.url}/health", timeout=10).json()
+    assert results.count(200) == 50, f"lost {50 - results.count(200)} of 50: {sorted(set(results))}"
+    assert p1.url in health["ejected"]
+
+
+@pytest.fixture()
+def pd_small_decode() -> Iterator[tuple[Proc, Proc, Proc]]:
+    # D's pool (64 blocks = 1,024 tokens) turns long prompts away; P's (1,024 blocks) takes them.
+    p = _prefill("--num-blocks", "1024")
+    d = serve(None, "--role", "decode", "--num-blocks", "64", *COMMON)
+    proxy = _proxy([p], [d])
+    with running(p, d, proxy, timeout=60):
+        yield p, d, proxy
+
+
+HUGE_PROMPT = list(range(3, 253)) * 64  # 16,000 tokens: seconds of prefill on P
+
+
+@pytest.mark.timeout(180)
+def test_request_rejected_by_decode_is_cancelled_on_prefill(pd_small_decode: tuple[Proc, Proc, Proc]) -> None:
+    p, _, proxy = pd_small_decode
+    r = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": HUGE_PROMPT, "max_tokens": 4}, timeout=60)
+    answered = time.monotonic()
+    assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"], r.text
+    # P was prefilling it (4 chunks of 4,096 tokens): it drops it after the chunk in progress instead
+    # of finishing the prefill (and holding the blocks until D's release arrives).
+    wait_until(lambda: _all_free(p), 60, "P's blocks free")
+    print(f"P freed its blocks {time.monotonic() - answered:.2f}s after D's 400")
+    assert _finished(p) == {"abort": 1.0}
+    assert httpx.get(f"{p.url}/debug/state", timeout=10).json()["step"] <= 2
+
+
+@pytest.mark.timeout(180)
+def test_client_gone_cancels_both_sides() -> None:
+    p = _prefill("--num-blocks", "1024")
+    d = serve(None, "--role", "decode", "--num-blocks", "1024", *COMMON)
+    proxy = _proxy([p], [d])
+    with running(p, d, proxy, timeout=60):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{proxy.url}/v1/completions", json={"prompt": HUGE_PROMPT, "max_tokens": 64},
+                       timeout=httpx.Timeout(1.0, connect=5.0))
+        left = time.monotonic()
+        for proc in (p, d):
+            wait_until(lambda proc=proc: _all_free(proc), 60, f"{proc.url} blocks free")
+        print(f"blocks free {time.monotonic() - left:.2f}s after the client left")
+        assert _finished(p) == {"abort": 1.0} and _finished(d) == {"abort": 1.0}
+        metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+        assert 'kvferry_proxy_requests_total{outcome="client_gone"} 1.0' in metrics
