@@ -123,7 +123,8 @@ class Attempt:
             self.target.forget()
             if prefill is not None and await self._p_is_gone(prefill):
                 self.prefills.eject(self.target, "its request failed while D's load failed")
-                return response, Outcome.UNREACHABLE
+                if self.prefills.healthy():  # another P can serve it: P's death is not this request's fault
+                    return response, Outcome.UNREACHABLE
             return response, Outcome.KV_FAILED
         headers = {k: v for k, v in d_response.headers.items() if k.lower() not in _HOP_HEADERS}
         if not self.stream:
