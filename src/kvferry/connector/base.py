@@ -115,6 +115,9 @@ class KVConnector(abc.ABC):
     def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Blocks were allocated for `request`; may be called twice for one async load (0 tokens the 2nd time)."""
 
+    def on_request_added(self, request: RequestLike) -> None:  # noqa: B027 - optional
+        """A request entered the scheduler (queued). P uses it to know which transfers are coming."""
+
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata: ...
 

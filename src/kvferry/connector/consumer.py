@@ -183,12 +183,27 @@ class Consumer:
                 waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
+                working = self._p_working_since(pull)
+                if working is not None and working + self.config.recv_timeout_s > self.loop.time():
+                    # P still has the request queued or prefilling: only our own deadline bounds this.
+                    deadline = working + self.config.recv_timeout_s
+                    continue
                 self._handle_failed_recv(
                     [pull], "recv_timeout", f"no reply from P within {self.config.recv_timeout_s}s"
                 )
                 return
             for future in done:
                 self._on_response(pull, waiting.pop(future), future.result())
+
+    def _p_working_since(self, pull: PullMeta) -> float | None:
+        """When a P rank last said it is still working on this pull's transfer (None: never)."""
+        seen = [
+            d.working_seen[pull.spec.transfer_id]
+            for t in pull.tasks
+            if (d := self._dealers.get((t.d_rank, t.control_addr))) is not None
+            and pull.spec.transfer_id in d.working_seen
+        ]
+        return max(seen, default=None)
 
     def _on_response(self, pull: PullMeta, task: PullTask, resp: PullResponse) -> None:
         task.checksums = list(resp.checksums)

@@ -42,6 +42,8 @@ class Dealer:
         self.waiters: dict[WaiterKey, asyncio.Future[PullResponse]] = {}
         # When P started writing each pull (its CONTINUE): transfer time excludes waiting for prefill.
         self.writing_since: dict[WaiterKey, float] = {}
+        # When P last said it still has a transfer queued or prefilling (its HeartbeatAck.working).
+        self.working_seen: dict[str, float] = {}
         loop = asyncio.get_running_loop()
         self.last_seen = loop.time()
         self.last_used = loop.time()  # when a message last went out (idle dealers get closed)
@@ -70,6 +72,7 @@ class Dealer:
     def forget(self, key: WaiterKey) -> float | None:
         """Stop waiting for `key`; returns when P started writing it, if it did."""
         self.waiters.pop(key, None)
+        self.working_seen.pop(key[0], None)
         return self.writing_since.pop(key, None)
 
     def heartbeat(self, now: float, timeout: float, lease_s: float) -> None:
@@ -77,6 +80,8 @@ class Dealer:
         if not self.waiters:
             return
         since = max(self.last_seen, self.waiting_since or self.last_seen)
+        if now - since > timeout and int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            since = self.last_seen = now  # P did answer; our reader is just behind (a busy D)
         if now - since > timeout:
             self._dead(f"P at {self.addr} silent for {now - since:.1f}s (heartbeat timeout)")
             return
@@ -86,6 +91,7 @@ class Dealer:
         request_ids = [rid for _, rid in self.waiters]
         self.waiters.clear()
         self.writing_since.clear()
+        self.working_seen.clear()
         if request_ids:
             self.on_dead(request_ids, reason)
 
@@ -99,6 +105,8 @@ class Dealer:
                 log.warning("malformed reply from %s ignored: %s", self.addr, exc)
                 continue
             if isinstance(message, HeartbeatAck):
+                for tid in message.working:
+                    self.working_seen[tid] = self.last_seen
                 continue
             key = (message.transfer_id, message.d_request_id)
             if message.status == Status.CONTINUE:

@@ -62,6 +62,7 @@ class SendSpec:
 
 @dataclass
 class PDMetadata(ConnectorMetadata):
+    working: list[str] = field(default_factory=list)  # transfers P queued: their KV is coming
     to_send: list[SendSpec] = field(default_factory=list)
     dead_transfers: list[str] = field(default_factory=list)
     to_pull: list[PullSpec] = field(default_factory=list)
@@ -93,6 +94,7 @@ class PDConnector(KVConnector):
         self.config = config
         self.metrics = metrics or Metrics()
         # scheduler role
+        self._working: list[str] = []
         self._to_send: list[SendSpec] = []
         self._dead: list[str] = []
         self._to_pull: list[PullSpec] = []
@@ -136,9 +138,15 @@ class PDConnector(KVConnector):
             request.num_prompt_tokens,
         )
 
+    def on_request_added(self, request: RequestLike) -> None:
+        params = request.kv_transfer_params or {}
+        if not self.is_decode and params.get("do_remote_decode") and isinstance(params.get("transfer_id"), str):
+            self._working.append(params["transfer_id"])
+
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
-        meta = PDMetadata(self._to_send, self._dead, self._to_pull, set(scheduler_output.finished_req_ids))
-        self._to_send, self._dead, self._to_pull = [], [], []
+        meta = PDMetadata(self._working, self._to_send, self._dead, self._to_pull,
+                          set(scheduler_output.finished_req_ids))
+        self._working, self._to_send, self._dead, self._to_pull = [], [], [], []
         return meta
 
     def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -203,6 +211,9 @@ class PDConnector(KVConnector):
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, PDMetadata)
         if self.producer is not None:
+            self.producer.step_started()
+            for transfer_id in metadata.working:  # before to_send: a request may end in its first step
+                self.producer.add_working(transfer_id)
             for send in metadata.to_send:
                 self.producer.add_ready(send.transfer_id, send.request_id, send.block_ids, send.num_tokens)
             for transfer_id in metadata.dead_transfers:
@@ -215,6 +226,7 @@ class PDConnector(KVConnector):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         if self.producer is not None:
+            self.producer.step_ended()
             return self.producer.drain_finished(), set()
         if self.consumer is not None:
             finished, invalid, causes = self.consumer.drain()

@@ -53,6 +53,7 @@ class Producer:
             engine.register(SCRATCH_REGION, self._scratch)
         self.table = TransferTable(abort_timeout_s, metrics, self._pairs)
         self._stop = threading.Event()
+        self._in_step = False
         self._ctx = zmq.Context()
         self.senders = PeerSenders("kv-send")
         self._ranks = [RankLoop(self, rank, host) for rank in range(self.tp_size)]
@@ -61,6 +62,17 @@ class Producer:
             r.start()
 
     # ---- engine thread ----------------------------------------------------------------------------
+    def step_started(self) -> None:
+        """The engine is inside a step: a request sent to P meanwhile may still sit in its queue."""
+        self._in_step = True
+
+    def step_ended(self) -> None:
+        self._in_step = False
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
     def add_working(self, transfer_id: str) -> None:
         """P queued the request: pulls for it wait for the prefill, however long it takes."""
         self.table.add_working(transfer_id)

@@ -242,8 +242,10 @@ class RankLoop(threading.Thread):
             state = "waiting"  # the injected fault: P never gets ready
         if state == "settled":
             self._on_pull(item.identity, pull, now)  # served, or answered why it cannot be
-        elif state == "working":
-            item.deadline = now + self.p.abort_timeout_s  # P is on it: only D's deadline bounds the wait
+        elif state == "working" or self.p.in_step:
+            # P is on it, or its engine is inside a step and may not have taken the request in yet:
+            # the abort timeout counts only while P could know. D's own deadline bounds the wait.
+            item.deadline = now + self.p.abort_timeout_s
             self._parked.append(item)
         elif now >= item.deadline:
             self.reply(item.identity, _response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=NOT_READY_MSG))

@@ -71,6 +71,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.connector.on_request_added(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -1,0 +1,52 @@
+"""Busy is not dead (issue 13.1): while P prefills a long prompt for several seconds, the pulls for it
+and for a small request queued behind it wait (P tells D it is still working on them) instead of
+failing with `err_reqs` at P's abort timeout or `peer_dead` at D's heartbeat timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from kvferry.engine.model import ModelConfig, TinyLlama
+from kvferry.engine.tokenizer import decode
+from procs import pd_system, wait_until
+
+ABORT_S = 1.0  # P's abort timeout, far below the long prefill
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(i * 31 + salt * 7 + 3) % 256 for i in range(n)]
+
+
+def test_long_prefill_then_small_request_no_false_failures() -> None:
+    args = ("--abort-timeout", str(ABORT_S), "--kv-load-failure-policy", "fail", "--kv-load-deadline", "90")
+    with pd_system(p_args=args, d_args=args) as (p, _d, proxy):
+        results: dict[str, httpx.Response] = {}
+        elapsed: dict[str, float] = {}
+
+        def send(name: str, ids: list[int]) -> None:
+            started = time.monotonic()
+            body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            results[name] = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120)
+            elapsed[name] = time.monotonic() - started
+
+        small = prompt(40, 2)
+        threads = [threading.Thread(target=send, args=("long", prompt(6000, 1)))]
+        threads[0].start()
+
+        def p_prefilling() -> bool:
+            state = httpx.get(f"{p.url}/debug/state", timeout=5).json()
+            return bool(state.get("requests_by_status", {}).get("RUNNING"))
+
+        wait_until(p_prefilling, 30, "P prefilling the long prompt")
+        threads.append(threading.Thread(target=send, args=("small", small)))
+        threads[1].start()
+        for t in threads:
+            t.join(timeout=150)
+        for name in ("long", "small"):
+            assert results[name].status_code == 200, f"{name}: {results[name].text}"
+        assert elapsed["long"] > 2 * ABORT_S, f"the prefill took only {elapsed['long']:.1f}s: nothing was tested"
+        expected = decode(TinyLlama(ModelConfig(seed=0)).generate_greedy(small, 2, stop_at_eos=False))
+        assert results["small"].json()["choices"][0]["text"] == expected
