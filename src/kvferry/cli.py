@@ -46,32 +46,67 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--heartbeat-timeout", type=float, default=1.5, help="P silent this long = dead; 0 = off")
     p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
     p.add_argument("--engine-id", default=None, help="default: <role>-<host>:<port>")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
 
 
 def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("proxy", help="P/D proxy: prefill on P, decode on D, one transfer_id")
     p.add_argument("--prefill", action="append", required=True, help="prefill instance URL (repeatable)")
     p.add_argument("--decode", action="append", required=True, help="decode instance URL (repeatable)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the proxy")
     p.add_argument("--retries", type=int, default=0, help="retry a KV-load failure before the first token")
     p.add_argument("--retry-unreachable", type=int, default=3,
                    help="retry (with backoff up to 2 s) when an instance cannot be reached at all")
     p.add_argument("--sequential", action="store_true",
                    help="prefill first, then pass P's kv_transfer_params to D (automatic for a P that is not kvferry)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
 
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
-    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e"])
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e"], help="which benchmark")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
 
 
+def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("model", help="model files: export a real model as an HF safetensors directory")
+    actions = p.add_subparsers(dest="model_command", required=True, help="export")
+    export = actions.add_parser("export", help="write config, float32 safetensors, tokenizer and chat template",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    export.add_argument("name", help="smollm2, or a path to a GGUF file")
+    export.add_argument("dir", help="target directory (must not exist yet); vLLM can serve it")
+
+
+def model_command(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from kvferry.engine.loader import model_dir
+
+    target = Path(args.dir)
+    if target.exists():
+        print(f"kvferry model export: {target} already exists", file=sys.stderr)
+        return 2
+    if args.name == "tiny":
+        print("kvferry model export: the tiny model has no tokenizer files to export", file=sys.stderr)
+        return 2
+    try:
+        source = model_dir(args.name)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"kvferry model export: {exc}", file=sys.stderr)
+        return 2
+    shutil.copytree(source, target)
+    print(f"kvferry model export: {args.name} -> {target}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvferry import __version__
+
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_proxy(sub)
@@ -82,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos.add_arguments(sub.add_parser("chaos", help="faults of every kind + kill/freeze P; exit 0 if clean"))
     _add_bench(sub)
+    _add_model(sub)
+    for command in sub.choices.values():  # every --help shows each flag's default
+        command.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser
 
 
@@ -183,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo.run(args)
     if args.command == "bench":
         return bench(args)
+    if args.command == "model":
+        return model_command(args)
     return 2
 
 

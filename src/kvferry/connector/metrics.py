@@ -5,8 +5,23 @@ Each instance owns its registry, so several engines in one process (tests) never
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
+# No `<name>_created` series beside every counter and histogram (vLLM's /metrics has none either).
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# Request-latency and length buckets (seconds / tokens), the ranges vLLM uses.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -42,6 +57,25 @@ class Metrics:
         )
         self.unknown_connector_ids = Counter(
             "kvferry_unknown_connector_ids", "Finished ids from the connector that the scheduler did not hold",
+            registry=r,
+        )
+
+        self.time_to_first_token = Histogram(
+            "kvferry_time_to_first_token_seconds", "From arrival to the first output token", buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "kvferry_inter_token_latency_seconds", "Between consecutive output tokens", buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e_request_latency = Histogram(
+            "kvferry_e2e_request_latency_seconds", "From arrival to the last token of a finished request",
+            buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "kvferry_request_prompt_tokens", "Prompt length of finished requests", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "kvferry_request_generation_tokens", "Output length of finished requests", buckets=_TOKEN_BUCKETS,
             registry=r,
         )
 

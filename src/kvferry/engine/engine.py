@@ -70,6 +70,7 @@ Sink = Callable[[RequestOutput], None]
 class _Stream:
     sink: Sink
     emitted: int = 0
+    last_token_at: float | None = None  # wall clock of the previous emitted token (for inter-token latency)
 
 
 class Engine:
@@ -338,6 +339,7 @@ class Engine:
             len(request.output_token_ids),
             request.num_recomputed_tokens,
         )
+        self._observe_latency(request, stream, len(new_tokens), finished)
         if finished:
             del self._streams[request.request_id]
             self.metrics.requests_finished.labels(reason=request.status.finish_reason).inc()
@@ -345,6 +347,22 @@ class Engine:
             stream.sink(output)
         except Exception:  # a broken client sink must never take the engine down
             log.exception("output sink for %s failed", request.request_id)
+
+    def _observe_latency(self, request: Request, stream: _Stream, num_new: int, finished: bool) -> None:
+        """Per-request histograms as vLLM keeps them: TTFT, inter-token latency, e2e, prompt/output tokens."""
+        m, now = self.metrics, time.time()
+        if num_new:
+            if stream.last_token_at is None:
+                m.time_to_first_token.observe(max(0.0, now - request.arrival_time))
+            else:
+                gap = (now - stream.last_token_at) / num_new
+                for _ in range(num_new):
+                    m.inter_token_latency.observe(gap)
+            stream.last_token_at = now
+        if finished and request.status.finish_reason != "error":
+            m.e2e_request_latency.observe(max(0.0, now - request.arrival_time))
+            m.request_prompt_tokens.observe(request.num_prompt_tokens)
+            m.request_generation_tokens.observe(len(request.output_token_ids))
 
     def _update_gauges(self, recomputed_before: int, unknown_before: int) -> None:
         m, s = self.metrics, self.scheduler

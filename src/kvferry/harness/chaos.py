@@ -35,15 +35,15 @@ FREEZE_S = 2.5  # longer than D's heartbeat timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=200, help="number of requests")
     parser.add_argument("--fault-rate", type=float, default=0.2, help="share of transfers that get a fault")
-    parser.add_argument("--policy", choices=["fail", "recompute"], default="recompute")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--max-prompt", type=int, default=600)
+    parser.add_argument("--policy", choices=["fail", "recompute"], default="recompute", help="D's kv_load_failure_policy")
+    parser.add_argument("--seed", type=int, default=0, help="workload, fault and tiny-model seed")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--max-prompt", type=int, default=600, help="longest prompt in tokens")
     parser.add_argument("--chaos-every", type=float, default=12.0, help="mean seconds between P kills/freezes")
     parser.add_argument("--no-process-chaos", action="store_true", help="only injected faults, no kill/stop")
-    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
 
 
 def fault_spec(rate: float, seed: int) -> FaultSpec:
