@@ -30,6 +30,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="decode side: a failed KV load ends the request with HTTP 500, or recomputes lost blocks")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (64 KiB each by default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (P and D must agree)")
+    p.add_argument("--max-prefill-chunk", type=int, default=256,
+                   help="chunked prefill: most prompt tokens one request computes per step (block-aligned; 0 = no cap)")
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--served-model-name", default=None,
                    help="the name clients must send as `model` (default: the model's own name)")
@@ -65,7 +67,7 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
-    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e"], help="which benchmark")
+    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e", "chunked"], help="which benchmark")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
 
@@ -170,6 +172,7 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         seed=args.seed,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        max_prefill_chunk=args.max_prefill_chunk,
         role=args.role,
         engine_id=engine_id,
     )

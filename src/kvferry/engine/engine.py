@@ -43,6 +43,7 @@ class EngineConfig:
     seed: int = 0
     kv_load_failure_policy: str = "fail"
     max_num_batched_tokens: int = 4096
+    max_prefill_chunk: int = 256
     max_num_seqs: int = 64
     role: str = "both"
     engine_id: str = "engine-0"
@@ -101,6 +102,7 @@ class Engine:
         sched_config = SchedulerConfig(
             block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_chunk=config.max_prefill_chunk,
             max_num_seqs=config.max_num_seqs,
             kv_load_failure_policy=config.kv_load_failure_policy,
         )

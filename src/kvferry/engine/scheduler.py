@@ -20,6 +20,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 64
     kv_load_failure_policy: str = "fail"  # or "recompute"
+    # Chunked prefill: no request computes more than this many prompt tokens in one step (cut at a block
+    # edge), so decodes and short prompts run between the chunks of a long prompt. 0 = no cap.
+    max_prefill_chunk: int = 256
 
 
 @dataclass
@@ -104,7 +107,7 @@ class Scheduler:
         running = list(self.running)
         while running and budget > 0:
             request = running.pop(0)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk_size(request, budget)
             while not self._grow(request, request.num_computed_tokens + n):
                 if not running:
                     self._preempt(request)
@@ -123,7 +126,7 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.popleft()
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk_size(request, budget)
             if not self._grow(request, request.num_computed_tokens + n):
                 break
             self.waiting.popleft()
@@ -133,6 +136,19 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        """Tokens of `request` to compute this step: all that remain, or a chunk ending on a block edge.
+
+        Where a chunk ends never changes the arithmetic (the model computes every position on the same
+        block tile whatever the split); block edges just keep chunks whole blocks."""
+        start, remaining = request.num_computed_tokens, request.num_tokens - request.num_computed_tokens
+        cap = self.config.max_prefill_chunk or remaining
+        n = min(remaining, budget, cap)
+        if n < remaining:
+            aligned = (start + n) // self.config.block_size * self.config.block_size - start
+            n = aligned if aligned > 0 else n
+        return n
 
     def _admit_remote(self, request: Request) -> bool:
         """Ask the connector about external KV; park async loads. False = not admissible yet."""
