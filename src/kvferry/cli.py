@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvferry.harness import chaos
 
     chaos.add_arguments(sub.add_parser("chaos", help="faults of every kind + kill/freeze P; exit 0 if clean"))
+    from kvferry.harness import soak
+
+    soak.add_arguments(sub.add_parser("soak", help="restarts, faults and steady load; fails if fds/threads/RSS/blocks grow"))
     _add_bench(sub)
     _add_model(sub)
     for command in sub.choices.values():  # every --help shows each flag's default
@@ -218,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvferry.harness import chaos
 
         return chaos.run(args)
+    if args.command == "soak":
+        from kvferry.harness import soak
+
+        return soak.run(args)
     if args.command == "demo":
         from kvferry.harness import demo
 

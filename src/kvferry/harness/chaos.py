@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos-every", type=float, default=12.0, help="mean seconds between P kills/freezes")
     parser.add_argument("--no-process-chaos", action="store_true", help="only injected faults, no kill/stop")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
+    from kvferry.harness import netchaos
+
+    netchaos.add_arguments(parser)
 
 
 def fault_spec(rate: float, seed: int) -> FaultSpec:
@@ -133,6 +136,10 @@ def judge(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.network:
+        from kvferry.harness import netchaos
+
+        return netchaos.run(args)
     console = Console()
     spec = fault_spec(args.fault_rate, args.seed)
     # The proxy rides out P's restarts (unreachable: backoff up to ~2 s each); KV-load failures are

@@ -61,16 +61,19 @@ def default_blas_threads() -> int:
 class ManagedProcess:
     """One `python -m kvferry ...` child; output goes to a temporary log file, stop() is by pid."""
 
-    def __init__(self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    ) -> None:
         self.name = name
         self.args = list(args)
+        self.prefix = list(prefix)  # e.g. `ip netns exec NS` (which keeps the pid)
         self.url = url
         self._log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
             prefix=f"kvferry-{name}-", suffix=".log", delete=False
         )
         self.log_path = self._log.name
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "kvferry", *self.args],
+            [*self.prefix, sys.executable, "-m", "kvferry", *self.args],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

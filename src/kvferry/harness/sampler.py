@@ -86,7 +86,8 @@ def wait_drained(urls: Sequence[str], timeout: float) -> list[dict[str, Any] | N
 
 def is_drained(state: dict[str, Any]) -> bool:
     return bool(
-        state.get("blocks_free") == state.get("blocks_total")
+        not state.get("stale")  # a stale state predates the step in progress
+        and state.get("blocks_free") == state.get("blocks_total")
         and not state.get("pending_pulls")
         and not state.get("pending_sends")
         and not state.get("requests_by_status")

@@ -1,0 +1,215 @@
+"""`kvferry soak --minutes N`: P, D and the proxy under steady load with injected faults of every kind,
+P and D restarted (kill -9) and P frozen in turn; every few seconds it samples open fds, threads and RSS
+of each process (from /proc) and blocks held and transfer-table sizes of P and D (/debug/state). It
+fails when any series grows without bound: a least-squares slope per process lifetime (after a warm-up),
+projected over an hour, above that series' limit. A single high reading proves nothing; a slope does."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvferry.harness.chaos import fault_spec
+from kvferry.harness.client import make_workload, new_results, run_workload
+from kvferry.harness.processes import ManagedProcess, blas_env, free_port, wait_all_healthy
+
+# Growth per hour above which a series "grows without bound" (well above the noise of a healthy run).
+LIMITS_PER_HOUR = {"fds": 60.0, "threads": 60.0, "rss_mb": 400.0, "blocks_held": 400.0, "table": 400.0}
+WARMUP_SHARE = 0.25  # of each lifetime, dropped before fitting (imports, caches, pools warming up)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--interval", type=float, default=3.0, help="seconds between samples")
+    parser.add_argument("--event-every", type=float, default=20.0, help="seconds between restarts/freezes")
+    parser.add_argument("--fault-rate", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, help="write a PNG of every series")
+    parser.add_argument("--json", dest="json_path", default=None)
+
+
+def _proc_stats(pid: int) -> dict[str, float] | None:
+    try:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    return {"fds": fds, "threads": int(status["Threads"]), "rss_mb": int(status["VmRSS"].split()[0]) / 1024}
+
+
+@dataclass
+class _Soak:
+    args: argparse.Namespace
+    procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    # series[(process, metric)] = [(t, value, lifetime)]
+    series: dict[tuple[str, str], list[tuple[float, float, int]]] = field(default_factory=dict)
+    lifetimes: dict[str, int] = field(default_factory=lambda: {"P": 0, "D": 0, "proxy": 0})
+    events: list[tuple[float, str]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> None:
+        faults = fault_spec(self.args.fault_rate, self.args.seed).to_spec()
+        common = ["--seed", str(self.args.seed), "--num-blocks", "1024", "--faults", faults,
+                  "--kv-load-failure-policy", "recompute", "--abort-timeout", "3"]
+        p_port, d_port, proxy_port = free_port(), free_port(), free_port()
+        self.procs["P"] = ManagedProcess("prefill", ["serve", "--role", "prefill", "--port", str(p_port),
+                                                      "--bootstrap-port", str(free_port()), *common],
+                                         f"http://127.0.0.1:{p_port}", blas_env(1))
+        self.procs["D"] = ManagedProcess("decode", ["serve", "--role", "decode", "--port", str(d_port), *common],
+                                         f"http://127.0.0.1:{d_port}", blas_env(1))
+        self.procs["proxy"] = ManagedProcess(
+            "proxy", ["proxy", "--prefill", self.procs["P"].url, "--decode", self.procs["D"].url, "--port",
+                      str(proxy_port), "--retries", "6", "--retry-unreachable", "8"], f"http://127.0.0.1:{proxy_port}")
+        wait_all_healthy(list(self.procs.values()), 90)
+
+    def restart(self, name: str, t: float) -> None:
+        old = self.procs[name]
+        os.kill(old.pid, signal.SIGKILL)
+        old.stop()
+        with self.lock:
+            self.lifetimes[name] += 1
+            self.procs[name] = fresh = ManagedProcess(old.name, old.args, old.url, blas_env(1))
+        self.events.append((t, f"kill -9 {name}"))
+        wait_all_healthy([fresh], 90)
+
+    def freeze(self, name: str, t: float) -> None:
+        pid = self.procs[name].pid
+        self.events.append((t, f"SIGSTOP {name} 2.5 s"))
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2.5)
+        os.kill(pid, signal.SIGCONT)
+
+    def sample(self, t: float) -> None:
+        with self.lock:
+            procs, lifetimes = dict(self.procs), dict(self.lifetimes)
+        for name, proc in procs.items():
+            stats = _proc_stats(proc.pid) or {}
+            if name in ("P", "D"):
+                try:
+                    state = httpx.get(f"{proc.url}/debug/state", timeout=2).json()
+                    if not state.get("stale"):
+                        stats["blocks_held"] = state["blocks_total"] - state["blocks_free"]
+                        stats["table"] = state["pending_sends"] if name == "P" else state["pending_pulls"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+            for metric, value in stats.items():
+                self.series.setdefault((name, metric), []).append((t, float(value), lifetimes[name]))
+
+
+def _slope_per_hour(points: list[tuple[float, float, int]]) -> float | None:
+    """The largest least-squares slope over the process's lifetimes (each after its warm-up)."""
+    slopes = []
+    for life in sorted({p[2] for p in points}):
+        seg = [(t, v) for t, v, lt in points if lt == life]
+        seg = seg[int(len(seg) * WARMUP_SHARE):]
+        if len(seg) >= 6 and seg[-1][0] - seg[0][0] >= 20:
+            t, v = np.array(seg).T
+            slopes.append(float(np.polyfit(t, v, 1)[0]) * 3600)
+    return max(slopes) if slopes else None
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(width=140)
+    soak = _Soak(args)
+    duration = args.minutes * 60
+    halt = threading.Event()
+    results_all: list[Any] = []
+    try:
+        soak.start()
+        t0 = time.monotonic()
+
+        def load() -> None:
+            batch = 0
+            while not halt.is_set():
+                items = make_workload(16, args.seed + batch, max_prompt=800, max_tokens=(4, 8), long_share=0.1)
+                results = new_results(items)
+                asyncio.run(run_workload(soak.procs["proxy"].url, items, results, t0, concurrency=2, timeout=90))
+                results_all.extend(results)
+                batch += 1
+
+        def chaos() -> None:
+            cycle = ["restart P", "freeze P", "restart D"]
+            i = 0
+            while not halt.wait(args.event_every):
+                what, name = cycle[i % len(cycle)].split()
+                t = time.monotonic() - t0
+                (soak.restart if what == "restart" else soak.freeze)(name, t)
+                i += 1
+
+        threads = [threading.Thread(target=load, daemon=True), threading.Thread(target=chaos, daemon=True)]
+        for th in threads:
+            th.start()
+        while (t := time.monotonic() - t0) < duration:
+            soak.sample(t)
+            time.sleep(args.interval)
+        halt.set()
+        for th in threads:
+            th.join(timeout=120)
+    finally:
+        halt.set()
+        for proc in soak.procs.values():
+            proc.stop()
+    rows = []
+    for (name, metric), points in sorted(soak.series.items()):
+        slope = _slope_per_hour(points)
+        limit = LIMITS_PER_HOUR[metric]
+        rows.append({"process": name, "series": metric, "samples": len(points), "last": points[-1][1],
+                     "slope_per_hour": None if slope is None else round(slope, 1), "limit_per_hour": limit,
+                     "bounded": slope is None or slope <= limit})
+    outcomes: dict[str, int] = {}
+    for r in results_all:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    ok = all(r["bounded"] for r in rows) and outcomes.get("stuck", 0) == 0
+    table = Table(title=f"kvferry soak: {args.minutes:g} min, {len(soak.events)} restarts/freezes, requests {outcomes}")
+    for col in ("process", "series", "samples", "last", "slope / hour", "limit / hour", "bounded"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["process"]), str(r["series"]), str(r["samples"]), f"{r['last']:.1f}", str(r["slope_per_hour"]),
+                      f"{r['limit_per_hour']:g}", "yes" if r["bounded"] else "[red]NO[/red]")
+    console.print(table)
+    console.print(f"verdict: {'PASS' if ok else 'FAIL'}")
+    report = {"minutes": args.minutes, "events": soak.events, "outcomes": outcomes, "series": rows,
+              "verdict": "PASS" if ok else "FAIL",
+              "samples": {f"{k[0]}.{k[1]}": v for k, v in soak.series.items()}}
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f)
+    if args.plot:
+        _plot(soak, args.plot)
+    return 0 if ok else 1
+
+
+def _plot(soak: _Soak, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = ["fds", "threads", "rss_mb", "blocks_held", "table"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2))
+    for ax, metric in zip(axes, metrics, strict=True):
+        for name in ("P", "D", "proxy"):
+            points = soak.series.get((name, metric))
+            if points:
+                ax.plot([p[0] / 60 for p in points], [p[1] for p in points], label=name, lw=1)
+        for t, _ in soak.events:
+            ax.axvline(t / 60, color="grey", lw=0.4, alpha=0.5)
+        ax.set_title(metric)
+        ax.set_xlabel("minutes")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
