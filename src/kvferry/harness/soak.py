@@ -36,14 +36,14 @@ MIN_SPAN_S = 40.0  # a shorter fitted span is not judged
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--minutes", type=float, default=3.0, help="how long to run")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between samples")
     parser.add_argument("--event-every", type=float, default=30.0,
                         help="seconds between events (restart P, freeze P, restart D, in turn)")
-    parser.add_argument("--fault-rate", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fault-rate", type=float, default=0.1, help="share of transfers with an injected fault")
+    parser.add_argument("--seed", type=int, default=0, help="workload, fault and weights seed")
     parser.add_argument("--plot", default=None, help="write a PNG of every series")
-    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--json", dest="json_path", default=None, help="write the report and samples as JSON")
 
 
 def _proc_stats(pid: int) -> dict[str, float] | None:
