@@ -20,8 +20,9 @@ from typing import Any
 
 import httpx
 
+from kvferry.connector.router_params import RouterParamsError, normalize_kv_transfer_params
+
 SGLANG_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-_NULLABLE = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_bootstrap_addr")
 _MAX_ROOM = 2**64 - 1
 _ENGINE_CACHE_S = 10.0
 
@@ -54,24 +55,15 @@ def translate(role: str, params: dict[str, Any] | None, extra: dict[str, Any], r
         return _sglang(role, sglang)
     if not params:
         return PDRequest(None, "none")
-    params = {k: v for k, v in params.items() if not (k in _NULLABLE and v is None)}
+    try:
+        normalized = normalize_kv_transfer_params(params, request_id)
+    except RouterParamsError as exc:
+        raise ProtocolError(f"kv_transfer_params: {exc}") from None
     remote_decode, remote_prefill = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
-    if remote_decode and remote_prefill:
-        raise ProtocolError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
     if not (remote_decode or remote_prefill):
-        return PDRequest(params or None, "none")  # no P/D direction (e.g. both flags false): plain
+        return PDRequest(normalized, "none")  # no P/D direction (e.g. both flags false): plain
     _check_role(role, "prefill" if remote_decode else "decode")
-    protocol = "kvferry"
-    if remote_decode and "transfer_id" not in params:
-        params["transfer_id"] = f"xfer-{request_id}"  # vllm-router (NIXL): P names the transfer
-        protocol = "vllm-router"
-    addr = params.get("remote_bootstrap_addr")
-    if isinstance(addr, str) and addr.startswith("http://"):
-        params["remote_bootstrap_addr"] = addr = addr.removeprefix("http://").rstrip("/")
-        protocol = "vllm-router"
-    if isinstance(addr, str) and "://" in addr:
-        raise ProtocolError("remote_bootstrap_addr must be host:port or http://host:port")
-    return PDRequest(params, protocol)
+    return PDRequest(normalized, "kvferry" if normalized == params else "vllm-router")
 
 
 def _check_role(role: str, needed: str) -> None:
