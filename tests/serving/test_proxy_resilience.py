@@ -90,12 +90,11 @@ def test_request_rejected_by_decode_is_cancelled_on_prefill(pd_small_decode: tup
     r = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": HUGE_PROMPT, "max_tokens": 4}, timeout=60)
     answered = time.monotonic()
     assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"], r.text
-    # P was prefilling it (4 chunks of 4,096 tokens): it drops it after the chunk in progress instead
-    # of finishing the prefill (and holding the blocks until D's release arrives).
+    # P was prefilling it (chunk by chunk): it drops it after the chunk in progress instead of finishing
+    # the prefill (and holding the blocks until D's release arrives).
     wait_until(lambda: _all_free(p), 60, "P's blocks free")
     print(f"P freed its blocks {time.monotonic() - answered:.2f}s after D's 400")
-    assert _finished(p) == {"abort": 1.0}
-    assert httpx.get(f"{p.url}/debug/state", timeout=10).json()["step"] <= 2
+    assert _finished(p) == {"abort": 1.0}  # dropped, not prefilled to the end ("length")
 
 
 @pytest.mark.timeout(180)
