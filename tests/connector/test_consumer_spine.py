@@ -233,6 +233,19 @@ def test_bootstrap_unknown_engine(rig: Rig) -> None:
     assert rig.invalid == set(D_BLOCKS)
 
 
+def test_oversized_pull_is_failed_on_d_and_never_sent(rig: Rig) -> None:
+    """A pull over the control-message limit costs that request alone (issue 13.6)."""
+    rig.pull("big", D_BLOCKS, transfer_id="x" * (2 << 20))
+    rig.wait_finished("big")
+    assert rig.causes["big"][0] == "error_reply" and "exceeds" in rig.causes["big"][1]
+    assert not rig.ranks[0].sock.poll(200), "the oversized pull must not reach P"
+    rig.pull("r", D_BLOCKS)  # the next pull to the same P is unaffected
+    identity, pull = rig.ranks[0].recv_pull()
+    rig.ranks[0].reply(identity, pull, Status.FINISH, ok_reqs=["r"], checksums=rig.ranks[0].write(pull, P_BLOCKS))
+    rig.wait_finished("r")
+    assert "r" not in rig.causes
+
+
 def test_bootstrap_unreachable(rig: Rig) -> None:
     rig.pull("r", D_BLOCKS, bootstrap_addr=f"127.0.0.1:{free_port()}")
     rig.wait_finished("r")

@@ -22,12 +22,16 @@ import zmq.asyncio
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo
 from kvferry.connector.dealer import Dealer
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
-from kvferry.connector.messages import PullRequest, PullResponse, Release, Status, encode
+from kvferry.connector.messages import MAX_MESSAGE_BYTES, PullRequest, PullResponse, Release, Status, encode
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.pulls import ConsumerConfig, Outbox, PullMeta, PullSpec, PullTask
 from kvferry.transfer.base import TransferEngine, covered
 
 log = logging.getLogger(__name__)
+
+class PullTooLarge(ValueError):
+    """A pull D must not send: over the control-message limit."""
+
 
 # Causes P may name in an ERROR reply; anything else is reported as `error_reply`.
 P_CAUSES = frozenset({"error_reply", "transport", "expired"})
@@ -119,6 +123,8 @@ class Consumer:
             )
         except BootstrapError as exc:
             self._handle_failed_recv([pull], "bootstrap", str(exc))
+        except PullTooLarge as exc:
+            self._handle_failed_recv([pull], "error_reply", str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a receiver bug must still release the request
@@ -171,8 +177,11 @@ class Consumer:
                 lease_s=self.config.lease_s,
                 want_checksums=self.config.checksums,
             )
+            data = encode(request)
+            if len(data) > MAX_MESSAGE_BYTES:  # P would refuse it; a huge frame would cost every pull
+                raise PullTooLarge(f"pull message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}: not sent")
             self._dealer(task.d_rank, task.control_addr).send(
-                (pull.spec.transfer_id, pull.request_id), task.future, encode(request)
+                (pull.spec.transfer_id, pull.request_id), task.future, data
             )
 
     async def _await_replies(self, pull: PullMeta) -> None:
@@ -318,6 +327,8 @@ class Consumer:
         failure path must finish whatever this hits)."""
         try:
             data = encode(Release([pull.spec.transfer_id]))
+            if len(data) > MAX_MESSAGE_BYTES:
+                return  # its pull was never sent either
             for addr in {(t.d_rank, t.control_addr) for t in pull.tasks}:
                 self._dealer(*addr).send_raw(data)
         except Exception:

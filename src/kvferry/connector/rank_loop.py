@@ -142,7 +142,8 @@ class RankLoop(threading.Thread):
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             if frames:
-                self.reply(frames[0], PullResponse(Status.ERROR, err_msg="expected exactly one frame"))
+                tid, rid = salvage_ids(frames[1]) if len(frames) > 1 else ("", "")
+                self.reply(frames[0], PullResponse(Status.ERROR, rid, tid, err_msg="expected exactly one frame"))
             return
         identity, data = frames
         try:
