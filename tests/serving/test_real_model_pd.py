@@ -43,7 +43,8 @@ def chat(url: str, question: str, **extra: object) -> httpx.Response:
 def test_real_model_pd_chat_recompute_and_openai_client(smol: LoadedModel) -> None:
     model_args = ("--model", "smollm2", "--faults", FAULTS, "--num-blocks", "128")
     d_args = (*model_args, "--kv-load-failure-policy", "recompute")
-    with pd_system(p_args=model_args, d_args=d_args, timeout=120) as (_p, d, proxy):
+    # P runs 3 tensor-parallel ranks (one per KV head), D one: the head mapping is exercised too.
+    with pd_system(p_tp=3, p_args=model_args, d_args=d_args, timeout=120) as (_p, d, proxy):
         client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=300)
         assert [m.id for m in client.models.list()] == [SMOLLM2_NAME]
 
