@@ -113,3 +113,21 @@ def test_client_gone_cancels_both_sides() -> None:
         assert _finished(p) == {"abort": 1.0} and _finished(d) == {"abort": 1.0}
         metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
         assert 'kvferry_proxy_requests_total{outcome="client_gone"} 1.0' in metrics
+
+
+@pytest.mark.timeout(180)
+def test_client_gone_after_prefill_answered_frees_both_sides() -> None:
+    # P answers its prefill at once, then sits 30 s on the write for D's pull: the client leaves in between.
+    p = _prefill("--num-blocks", "256", "--faults", "slow=30000")
+    d = serve(None, "--role", "decode", "--num-blocks", "256", *COMMON)
+    proxy = _proxy([p], [d])
+    with running(p, d, proxy, timeout=60):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{proxy.url}/v1/completions", json={"prompt": list(range(5, 200)), "max_tokens": 8},
+                       timeout=httpx.Timeout(3.0, connect=5.0))
+        left = time.monotonic()
+        assert _finished(p) == {"length": 1.0}, "P's prefill was answered before the client left"
+        for proc in (p, d):
+            wait_until(lambda proc=proc: _all_free(proc), 25, f"{proc.url} blocks free")
+        print(f"blocks free {time.monotonic() - left:.2f}s after the client left (P's write was slowed 30 s)")
+        assert _finished(d) == {"abort": 1.0}
