@@ -84,3 +84,49 @@ def test_rejects_what_it_cannot_move() -> None:
         VllmKVLayout(layer_views("LBNHC", blocks=B + 1), B, N)
     with pytest.raises(UnsupportedKVCacheError, match="torch.Tensor"):
         VllmKVLayout({"x": [1, 2, 3]}, B, N)
+
+
+def kv_first_views(blocks: int = B) -> dict[str, Any]:
+    """K and V outside the block dim (`[2, B, ...]` per layer, as FlashAttention's shape): the V half's
+    offset depends on the pool size."""
+    raw = torch.zeros(L * 2 * blocks * H * N * (C // 2), dtype=torch.float16)
+    per = raw.view(L, 2, blocks, H, N, C // 2)
+    return {f"layers.{i}.attn": per[i].permute(1, 2, 3, 0, 4) for i in range(L)}
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LHBNC", "BLHNC", "KV-first"])
+@pytest.mark.parametrize(("p_blocks", "d_blocks"), [(B, 2 * B + 3), (2 * B + 3, B)])
+def test_p_writes_into_a_d_pool_of_another_size(layout: str, p_blocks: int, d_blocks: int) -> None:
+    """D describes its own memory; P's write ops put every byte of its block in D's block, for any pool sizes."""
+    from kvferry.connector.layout import write_ops
+
+    def make(blocks: int) -> dict[str, Any]:
+        return kv_first_views(blocks) if layout == "KV-first" else layer_views(layout, blocks)
+
+    p_caches, d_caches = make(p_blocks), make(d_blocks)
+    for view in p_caches.values():
+        view.normal_()
+    p = VllmKVLayout(p_caches, p_blocks, N)
+    d = VllmKVLayout(d_caches, d_blocks, N)
+    assert p.peer_mismatch(d.describe()) is None
+    src, dst = [1, 4, 0], [d_blocks - 1, 2, 3]
+    for heads in [(0, H), (1, 3)]:
+        ops = write_ops(p, src, dst, heads, d_blocks, d.describe())
+        p_regions, d_regions = p.regions(), d.regions()
+        for op in ops:  # what the TCP engine does with each op
+            d_regions[op.dst_region][op.dst_offset : op.dst_offset + op.length] = \
+                p_regions[op.src_region][op.src_offset : op.src_offset + op.length]
+        h0, h1 = heads
+        for name in p_caches:
+            for s, t in zip(src, dst, strict=True):
+                assert torch.equal(d_caches[name][t, h0:h1], p_caches[name][s, h0:h1])
+        assert [d.checksum(t, heads) for t in dst] == [p.checksum(s, heads) for s in src]
+    written = sum(int((v != 0).sum()) for v in d_caches.values())
+    assert written == sum(int(v[src].numel()) for v in p_caches.values())  # nothing outside the blocks
+
+
+def test_a_peer_with_another_layout_is_refused_with_a_reason() -> None:
+    p = VllmKVLayout(layer_views("LBNHC"), B, N)
+    assert "differently" in (p.peer_mismatch(VllmKVLayout(layer_views("LHBNC"), B, N).describe()) or "")
+    small = {k: v[:, :2] for k, v in layer_views("LBHNC").items()}
+    assert "shape" in (p.peer_mismatch(VllmKVLayout(small, B, N).describe()) or "")

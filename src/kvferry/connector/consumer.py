@@ -176,6 +176,7 @@ class Consumer:
                 num_tokens=pull.spec.num_tokens,
                 lease_s=self.config.lease_s,
                 want_checksums=self.config.checksums,
+                d_layout=self.layout.describe(),
             )
             data = encode(request)
             if len(data) > MAX_MESSAGE_BYTES:  # P would refuse it; a huge frame would cost every pull

@@ -9,6 +9,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -16,6 +17,57 @@ from kvferry.connector.base import KVCacheSpec
 from kvferry.transfer.base import ByteRange, WriteOp
 
 KV_REGION = "kv"
+
+
+class StridedSegment(msgspec.Struct, array_like=True, frozen=True):
+    """One layer's KV inside a region: kernel block k starts at `base + k * block_stride`; `dims` are the
+    dims after the block dim as (size, byte stride), dim 0 being the KV heads."""
+
+    region: str
+    base: int
+    block_stride: int
+    dims: list[tuple[int, int]]
+    itemsize: int
+
+
+class LayoutDescription(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A rank's own KV memory, as D sends it in its pull: P places D's blocks from it, whatever D's pool
+    size (strides of layouts with heads or K/V outside the block dim depend on it)."""
+
+    num_blocks: int
+    kernel_blocks: int  # kernel blocks per scheduler block
+    segments: list[StridedSegment]
+
+
+def strided_block_runs(desc: LayoutDescription, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
+    """Byte runs of `heads` of one block, segment by segment, adjacent runs merged."""
+    if not 0 <= block_id < desc.num_blocks:
+        raise ValueError(f"block id {block_id} out of range [0, {desc.num_blocks})")
+    h0, h1 = heads
+    out: list[ByteRange] = []
+    for seg in desc.segments:
+        (_, head_stride), *rest = seg.dims
+        dims = [(h1 - h0, head_stride), *rest]
+        for kb in range(block_id * desc.kernel_blocks, (block_id + 1) * desc.kernel_blocks):
+            for offset, length in _runs(seg.base + kb * seg.block_stride + h0 * head_stride, dims, seg.itemsize):
+                last = out[-1] if out else None
+                if last is not None and last.region == seg.region and last.end == offset:
+                    out[-1] = ByteRange(seg.region, last.offset, last.length + length)
+                else:
+                    out.append(ByteRange(seg.region, offset, length))
+    return out
+
+
+def _runs(base: int, dims: list[tuple[int, int]], itemsize: int) -> list[tuple[int, int]]:
+    """(offset, length) byte runs of a strided sub-array, ascending; contiguous inner dims become one run."""
+    outer = sorted((d for d in dims if d[0] != 1), key=lambda d: d[1], reverse=True)
+    run = itemsize
+    while outer and outer[-1][1] == run:
+        run *= outer.pop()[0]
+    offsets = [base]
+    for size, stride in outer:
+        offsets = [o + i * stride for o in offsets for i in range(size)]
+    return [(o, run) for o in offsets]
 
 
 class KVLayout(abc.ABC):
@@ -40,10 +92,40 @@ class KVLayout(abc.ABC):
     @abc.abstractmethod
     def block_bytes(self) -> int: ...
 
-    def peer_block_runs(self, block_id: int, heads: tuple[int, int], peer_num_blocks: int) -> list[ByteRange]:
-        """Runs of a block in a peer with the same layout but its own number of blocks."""
+    def describe(self) -> LayoutDescription | None:
+        """This rank's memory for a peer (sent in pulls); None: peers derive it from the block count."""
+        return None
+
+    def peer_mismatch(self, peer: LayoutDescription) -> str | None:
+        """Why a peer's memory cannot take our blocks position for position (None: it can)."""
+        ours = self.describe()
+        if ours is None:
+            return "this layout cannot place blocks in a described peer"
+        if peer.kernel_blocks != ours.kernel_blocks or len(peer.segments) != len(ours.segments):
+            return (f"peer has {len(peer.segments)} layer(s) x {peer.kernel_blocks} kernel block(s) per block, "
+                    f"we have {len(ours.segments)} x {ours.kernel_blocks}")
+        for a, b in zip(ours.segments, peer.segments, strict=True):
+            if [n for n, _ in a.dims] != [n for n, _ in b.dims] or a.itemsize != b.itemsize:
+                return f"peer layer shape {[n for n, _ in b.dims]} x {b.itemsize} B differs from ours"
+        if peer.num_blocks < 1:
+            return f"peer has {peer.num_blocks} blocks"
+        mine = [r.length for r in self.block_runs(0, (0, self.num_kv_heads))]
+        theirs = [r.length for r in strided_block_runs(peer, 0, (0, self.num_kv_heads))]
+        if mine != theirs:
+            return "peer's KV layout orders a block's bytes differently (use the same VLLM_KV_CACHE_LAYOUT)"
+        return None
+
+    def peer_block_runs(
+        self, block_id: int, heads: tuple[int, int], peer_num_blocks: int, peer: LayoutDescription | None = None
+    ) -> list[ByteRange]:
+        """Runs of a block in a peer with the same layout but its own number of blocks (and its own memory,
+        when it described it)."""
         if not 0 <= block_id < peer_num_blocks:
             raise ValueError(f"block id {block_id} out of range [0, {peer_num_blocks})")
+        if peer is not None:
+            if peer.num_blocks != peer_num_blocks:
+                raise ValueError(f"peer describes {peer.num_blocks} blocks but claims {peer_num_blocks}")
+            return strided_block_runs(peer, block_id, heads)
         if peer_num_blocks != self.num_blocks:
             raise ValueError("this layout cannot describe a peer with a different number of blocks")
         return self.block_runs(block_id, heads)
@@ -78,9 +160,13 @@ class PagedKVLayout(KVLayout):
     def block_bytes(self) -> int:
         return self.spec.block_bytes
 
-    def peer_block_runs(self, block_id: int, heads: tuple[int, int], peer_num_blocks: int) -> list[ByteRange]:
-        peer = dataclasses.replace(self.spec, num_blocks=peer_num_blocks)
-        return [ByteRange(KV_REGION, off, n) for off, n in peer.head_runs(block_id, *heads)]
+    def peer_block_runs(
+        self, block_id: int, heads: tuple[int, int], peer_num_blocks: int, peer: LayoutDescription | None = None
+    ) -> list[ByteRange]:
+        if peer is not None:
+            return super().peer_block_runs(block_id, heads, peer_num_blocks, peer)
+        spec = dataclasses.replace(self.spec, num_blocks=peer_num_blocks)
+        return [ByteRange(KV_REGION, off, n) for off, n in spec.head_runs(block_id, *heads)]
 
 
 def head_range(num_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -115,13 +201,17 @@ def write_ops(
     dst_blocks: Sequence[int],
     heads: tuple[int, int],
     dst_num_blocks: int | None = None,
+    dst_layout: LayoutDescription | None = None,
 ) -> list[WriteOp]:
     """Ops copying `heads` of each src block into the matching dst block (in a peer with
-    `dst_num_blocks` blocks; default: same as ours), adjacent runs merged."""
+    `dst_num_blocks` blocks, default: same as ours; laid out as `dst_layout` when the peer described
+    its memory), adjacent runs merged."""
     n_dst = layout.num_blocks if dst_num_blocks is None else dst_num_blocks
     ops: list[WriteOp] = []
     for src, dst in zip(src_blocks, dst_blocks, strict=True):
-        src_runs, dst_runs = layout.block_runs(src, heads), layout.peer_block_runs(dst, heads, n_dst)
+        src_runs, dst_runs = layout.block_runs(src, heads), layout.peer_block_runs(dst, heads, n_dst, dst_layout)
+        if [r.length for r in src_runs] != [r.length for r in dst_runs]:
+            raise ValueError("peer's KV layout orders a block's bytes differently")
         for s, d in zip(src_runs, dst_runs, strict=True):
             last = ops[-1] if ops else None
             if (

@@ -12,6 +12,8 @@ from typing import TypeVar
 
 import msgspec
 
+from kvferry.connector.layout import LayoutDescription
+
 # Far above any real pull (a 100k-token prompt is ~6k blocks); a bigger frame is hostile.
 MAX_MESSAGE_BYTES = 1 << 20
 # ZMQ drops a connection that sends a bigger frame; below it every message gets its own answer.
@@ -37,6 +39,7 @@ class PullRequest(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
     num_tokens: int  # prompt tokens D expects to receive
     lease_s: float = 0.0  # 0 = P's default lease
     want_checksums: bool = True
+    d_layout: LayoutDescription | None = None  # D's own memory (bases, strides), when its layout has one
 
 
 class Heartbeat(msgspec.Struct, tag="hb", forbid_unknown_fields=True):

@@ -182,6 +182,10 @@ class RankLoop(threading.Thread):
             return "duplicate block ids"
         if any(not 0 <= b < pull.d_num_blocks for b in pull.block_ids):
             return f"block id out of range [0, {pull.d_num_blocks})"
+        if pull.d_layout is not None:
+            if pull.d_layout.num_blocks != pull.d_num_blocks:
+                return f"D describes {pull.d_layout.num_blocks} blocks but claims {pull.d_num_blocks}"
+            return spec.peer_mismatch(pull.d_layout)
         return None
 
     def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> None:

