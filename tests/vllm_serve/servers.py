@@ -76,9 +76,7 @@ class Server:
         """SIGKILL every process of the group at once."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, signal.SIGKILL)
-        if self.popen is not None:
-            self.popen.wait(timeout=30)
-        _wait_group_gone(self.pgid, 30)
+        _wait_group_gone(self, 30)
 
     def stop(self) -> None:
         """SIGTERM the group, then SIGKILL what is left after 20 s."""
@@ -86,12 +84,10 @@ class Server:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, signal.SIGTERM)
-        if not _wait_group_gone(self.pgid, 20):
+        if not _wait_group_gone(self, 20):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pgid, signal.SIGKILL)
-            _wait_group_gone(self.pgid, 20)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=5)
+            _wait_group_gone(self, 20)
 
     def metrics(self) -> dict[str, float]:
         """vLLM's /metrics, series (name{labels}) → value."""
@@ -123,16 +119,15 @@ class Server:
         return pids
 
 
-def _wait_group_gone(pgid: int, timeout: float) -> bool:
+def _wait_group_gone(server: Server, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server.popen is not None:
+            server.popen.poll()  # reap the leader: a zombie would keep the group alive
         try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+            os.killpg(server.pgid, 0)
+        except (ProcessLookupError, PermissionError):
             return True
-        except PermissionError:
-            return True
-        # reap zombies of our own child (the leader); others are reaped by init
         time.sleep(0.1)
     return False
 
