@@ -17,7 +17,7 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.harness.processes import free_port
 
 P_BLOCKS, D_BLOCKS = 16, 40  # different pool sizes on purpose (issue 12.1)
-ABORT_TIMEOUT_S = 3.0  # the restarted P of the fault tests: (b) fails within it
+ABORT_TIMEOUT_S = 6.0  # the restarted P of the fault tests: (b) fails within it
 CLEAN_ABORT_TIMEOUT_S = 20.0  # the clean P: a 2-core box under load can take seconds per step
 FAULTS = "p_not_ready=0.5,seed=11,slow=1500"  # the restarted P: some transfers never ready, every write slow
 
@@ -36,7 +36,8 @@ class Cluster:
 
     def _decode(self, name: str, policy: str, blocks: int) -> Server:
         return vllm_server(name, self.model, free_port(), "--num-gpu-blocks-override", str(blocks),
-                           "--kv-transfer-config", kv_config("kv_consumer", policy, kv_load_deadline_s=30))
+                           "--kv-transfer-config", kv_config("kv_consumer", policy, kv_load_deadline_s=30,
+                                                     heartbeat_interval_s=1.0, heartbeat_timeout_s=4.0))
 
     def _new_p(self, faults: str) -> Server:
         extra: dict[str, Any] = {"engine_id": "kvferry-ci-p", "bootstrap_port": self.bootstrap_port,

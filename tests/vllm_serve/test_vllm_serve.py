@@ -5,7 +5,6 @@ a test restarts P only when it needs another P."""
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any
 
@@ -50,14 +49,14 @@ def test_d_with_another_pool_size_gives_identical_outputs(cluster: Any) -> None:
     for server, blocks in ((p, P_BLOCKS), (cluster.d, D_BLOCKS)):
         info = [k for k in server.metrics() if k.startswith("vllm:cache_config_info")]
         assert info and f'num_gpu_blocks="{blocks}"' in info[0], info
-    prompts = [prompt_of(n, 100 + i) for i, n in enumerate([450, 400, 380, 300])]
+    prompts = [prompt_of(n, 100 + i) for i, n in enumerate([450, 380])]
     want = [tokens(completion(cluster.c.url, cluster.model, q)) for q in prompts]
-    futures = [in_background(completion, cluster.proxy.url, cluster.model, q) for q in prompts]
-    assert [tokens(f.result()) for f in futures] == want
+    assert [tokens(completion(cluster.proxy.url, cluster.model, q)) for q in prompts] == want
 
 
 def test_f_a_request_d_rejects_leaves_nothing_held_on_p(cluster: Any) -> None:
     p = cluster.prefill("")
+    wait_until(lambda: p.metric("vllm:kv_cache_usage_perc") == 0, 60, "P to hold nothing before the test")
     params = prefill_on_p(p, cluster.model, prompt_of(300, 7), transfer_id_where(None, ""))
     assert p.metric("vllm:kv_cache_usage_perc") > 0, "P should hold the prompt's blocks for D"
     # D rejects it (prompt longer than its max-model-len) before it reaches D's engine; vLLM then submits
@@ -71,33 +70,22 @@ def test_f_a_request_d_rejects_leaves_nothing_held_on_p(cluster: Any) -> None:
 
 
 def test_connector_threads_are_not_captured_by_vllms_cpu_binding(cluster: Any) -> None:
-    """vLLM's CPU worker binds itself to its OMP cores; kvferry's threads keep the engine's CPUs."""
+    """vLLM's CPU worker binds itself to its OMP cores (default settings); kvferry's threads inside that
+    worker keep the engine core's CPUs (before the fix every worker thread sat on the worker's core)."""
     for server in (cluster.prefill(""), cluster.d):
-        match = re.search(r"kvferry connector threads run on CPUs ([\d,]+)", server.log_text())
-        assert match, "no affinity line in the log"
-        cpus = match.group(1)
         (worker,) = server.worker_pids()
-        allowed = {}
-        for tid in os.listdir(f"/proc/{worker}/task"):
-            with open(f"/proc/{worker}/task/{tid}/status") as f:
-                line = next(x for x in f if x.startswith("Cpus_allowed_list"))
-            allowed[int(tid)] = _expand(line.split()[1])
-        ours = [t for t, c in allowed.items() if c == _expand_list(cpus)]
-        assert len(ours) >= 3, f"connector threads on {cpus}: {allowed}"
-        if allowed[worker] != _expand_list(cpus):  # vLLM bound its worker: our threads escaped it
-            assert any(c != allowed[worker] for c in allowed.values())
+        engine_cpus = os.sched_getaffinity(_parent(worker))
+        allowed = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{worker}/task")}
+        if allowed[worker] == engine_cpus:
+            pytest.skip(f"vLLM did not bind its worker here (CPUs {sorted(engine_cpus)}): nothing to escape")
+        free = [t for t, cpus in allowed.items() if cpus == engine_cpus]
+        # bootstrap server (P), rank loop (P), TCP listener, ZMQ I/O and reaper, consumer loop (D)
+        assert len(free) >= 3, f"{server.name}: worker bound to {sorted(allowed[worker])}, threads: {allowed}"
 
 
-def _expand(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _expand_list(spec: str) -> set[int]:
-    return {int(c) for c in spec.split(",")}
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_e_restarted_p_serves_the_very_next_request(cluster: Any) -> None:

@@ -81,9 +81,12 @@ class KVFerrySettings:
     transfer: str = "tcp"  # "tcp" (built in) or "mooncake"
     checksums: bool = True
     faults: str = ""  # fault injection spec (tests, chaos); default: env KVFERRY_FAULTS
+    # D: heartbeat period (P's lease on a pulled transfer is 8 periods) and how long P may stay silent
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.5
 
     KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
-            "checksums", "faults")
+            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], default_engine_id: str) -> KVFerrySettings:
@@ -99,7 +102,11 @@ class KVFerrySettings:
             transfer=str(extra.get("transfer", "tcp")),
             checksums=bool(extra.get("checksums", True)),
             faults=str(extra.get("faults", os.environ.get("KVFERRY_FAULTS", ""))),
+            heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 0.25)),
+            heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", 1.5)),
         )
+        if settings.heartbeat_interval_s <= 0 or settings.heartbeat_timeout_s < 0:
+            raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_timeout_s >= 0")
         if settings.transfer not in ("tcp", "mooncake"):
             raise ValueError(f"transfer must be 'tcp' or 'mooncake', not {settings.transfer!r}")
         FaultSpec.parse(settings.faults)  # raises on a bad spec
@@ -118,6 +125,8 @@ class KVFerrySettings:
             transfer=self.transfer,
             checksums=self.checksums,
             faults=FaultSpec.parse(self.faults),
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
         )
 
 
