@@ -200,6 +200,8 @@ def proxy(args: argparse.Namespace) -> int:
     from kvferry.serving.proxy import build_proxy_app
 
     app = build_proxy_app(args.prefill, args.decode, args.retries, args.sequential, args.retry_unreachable)
+    print(f"kvferry proxy: HTTP API on http://{args.host}:{args.port} (prefill {', '.join(args.prefill)}; "
+          f"decode {', '.join(args.decode)})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

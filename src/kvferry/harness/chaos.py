@@ -25,8 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
+from kvferry.engine.loader import load_codec
 from kvferry.harness.client import RequestResult, make_workload, new_results, run_workload
 from kvferry.harness.processes import ManagedProcess, PDSystem, PDSystemConfig, wait_all_healthy
+from kvferry.harness.questions import chat_workload
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.sampler import wait_drained
 
@@ -36,6 +38,7 @@ FREEZE_S = 2.5  # longer than D's heartbeat timeout
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=200, help="number of requests")
+    parser.add_argument("--model", default="tiny", help="tiny, smollm2, or a GGUF file / HF directory (P, D and reference)")
     parser.add_argument("--fault-rate", type=float, default=0.2, help="share of transfers that get a fault")
     parser.add_argument("--policy", choices=["fail", "recompute"], default="recompute", help="D's kv_load_failure_policy")
     parser.add_argument("--seed", type=int, default=0, help="workload, fault and tiny-model seed")
@@ -153,10 +156,19 @@ def run(args: argparse.Namespace) -> int:
         abort_timeout=ABORT_TIMEOUT_S,
         kv_load_deadline=30.0,
         proxy_args=("--retries", retries, "--retry-unreachable", "6"),
+        serve_args=("--model", args.model),
     )
-    items = make_workload(args.requests, args.seed, max_prompt=args.max_prompt, max_tokens=(4, 8), long_share=0.1)
+    if args.model == "tiny":
+        items = make_workload(args.requests, args.seed, max_prompt=args.max_prompt, max_tokens=(4, 8), long_share=0.1)
+    else:
+        try:
+            codec = load_codec(args.model)
+        except ValueError as exc:  # ModelLoadError too
+            console.print(f"kvferry chaos: --model: {exc}", style="red")
+            return 2
+        items = chat_workload(codec, args.requests, args.seed, (4, 8))
     results = new_results(items)
-    reference = ReferenceWorker(args.seed, 1)
+    reference = ReferenceWorker(args.seed, 1, args.model)
     reference.submit(items)
     system = PDSystem(config)
     chaos: _PChaos | None = None
