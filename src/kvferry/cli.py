@@ -67,9 +67,12 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
-    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e", "chunked"], help="which benchmark")
+    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e", "chunked", "model"], help="which benchmark")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
+    p.add_argument("--model", default="smollm2", help="bench model: the model to measure (tiny, smollm2, a path)")
+    p.add_argument("--blas-threads", type=int, default=1,
+                   help="bench model: BLAS / torch threads of both sides (1 keeps kvferry deterministic)")
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -208,6 +211,15 @@ def proxy(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     # kvferry.bench.<which> each expose run(json_path, quick) and print their own table.
+    if args.which == "model":
+        # OpenBLAS fixes its thread count when it loads (numpy is loaded by now): start afresh with it.
+        if os.environ.get("OPENBLAS_NUM_THREADS") != str(args.blas_threads):
+            env = {**os.environ, "OPENBLAS_NUM_THREADS": str(args.blas_threads)}
+            os.execve(sys.executable, [sys.executable, "-m", "kvferry", *sys.argv[1:]], env)
+        from kvferry.bench import model as model_bench
+
+        model_bench.run(args.json_path, quick=args.quick, model=args.model)
+        return 0
     module = importlib.import_module(f"kvferry.bench.{args.which}")
     module.run(args.json_path, quick=args.quick)
     return 0

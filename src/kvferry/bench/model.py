@@ -1,0 +1,97 @@
+"""`kvferry bench model`: prefill and decode tokens/s of kvferry's numpy engine on SmolLM2, beside
+transformers (torch, CPU, float32) on the same weights in the same run when torch is installed.
+
+Both sides use the same thread count (`--blas-threads`, default 1: kvferry's determinism needs one
+count everywhere). Prefill: one prompt of N tokens, one call. Decode: 32 tokens at batch 1, greedy,
+after a 128-token prompt (the numpy engine decodes one sequence per call).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from kvferry.bench.report import report
+
+PREFILL_LENGTHS = (128, 512)
+DECODE_TOKENS = 32
+BLOCK_SIZE = 16
+
+
+def _numpy_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int) -> dict[str, float]:
+    from kvferry.engine.loader import load_model
+
+    model = load_model(spec).model
+    out: dict[str, float] = {}
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        ids = rng.integers(100, 40000, n).tolist()
+        blocks = -(-(n + decode_tokens) // BLOCK_SIZE)
+        cache = model.allocate_kv_cache(model.kv_cache_spec(blocks, BLOCK_SIZE))
+        begin = time.perf_counter()
+        model.forward(cache, BLOCK_SIZE, ids, 0, list(range(blocks)))
+        out[f"prefill_{n}"] = n / (time.perf_counter() - begin)
+    ids = rng.integers(100, 40000, 128).tolist()
+    blocks = -(-(128 + decode_tokens) // BLOCK_SIZE)
+    cache = model.allocate_kv_cache(model.kv_cache_spec(blocks, BLOCK_SIZE))
+    logits = model.forward(cache, BLOCK_SIZE, ids, 0, list(range(blocks)))
+    begin = time.perf_counter()
+    for i in range(decode_tokens):
+        logits = model.forward(cache, BLOCK_SIZE, [int(np.argmax(logits))], 128 + i, list(range(blocks)))
+    out["decode"] = decode_tokens / (time.perf_counter() - begin)
+    return out
+
+
+def _transformers_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int, threads: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvferry.engine.loader import model_dir
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir(spec)), torch_dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]
+    out: dict[str, float] = {}
+    rng = np.random.default_rng(0)
+    with torch.inference_mode():
+        for n in lengths:
+            ids = torch.tensor([rng.integers(100, 40000, n).tolist()])
+            begin = time.perf_counter()
+            model(ids, use_cache=True)
+            out[f"prefill_{n}"] = n / (time.perf_counter() - begin)
+        ids = torch.tensor([rng.integers(100, 40000, 128).tolist()])
+        result = model(ids, use_cache=True)
+        past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
+        begin = time.perf_counter()
+        for _ in range(decode_tokens):
+            result = model(token, past_key_values=past, use_cache=True)
+            past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
+        out["decode"] = decode_tokens / (time.perf_counter() - begin)
+    return out
+
+
+def run(json_path: str | None, quick: bool = False, model: str = "smollm2") -> list[dict[str, Any]]:
+    threads = int(os.environ.get("OPENBLAS_NUM_THREADS", "1"))
+    lengths = (128,) if quick else PREFILL_LENGTHS
+    decode_tokens = 8 if quick else DECODE_TOKENS
+    ours = _numpy_rows(model, lengths, decode_tokens)
+    try:
+        theirs: dict[str, float] | None = _transformers_rows(model, lengths, decode_tokens, threads)
+    except ImportError as exc:
+        print(f"kvferry bench model: transformers side skipped ({exc.name} not installed: pip install torch==2.13.0 transformers)")
+        theirs = None
+    rows = []
+    for key, value in ours.items():
+        other = None if theirs is None else theirs[key]
+        rows.append({
+            "what": key.replace("_", " ") + (" tokens" if key != "decode" else f" (batch 1, {decode_tokens} tokens)"),
+            "numpy tok/s": round(value, 1),
+            "transformers tok/s": None if other is None else round(other, 1),
+            "ratio": None if other is None else round(value / other, 2),
+            "threads": threads,
+        })  # fmt: skip
+    report(f"kvferry bench model: {model}, numpy engine vs transformers (float32, CPU)", rows, json_path)
+    return rows
