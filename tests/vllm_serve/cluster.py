@@ -37,7 +37,7 @@ class Cluster:
     def _decode(self, name: str, policy: str, blocks: int) -> Server:
         return vllm_server(name, self.model, free_port(), "--num-gpu-blocks-override", str(blocks),
                            "--kv-transfer-config", kv_config("kv_consumer", policy, kv_load_deadline_s=30,
-                                                     heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0))
+                                                     heartbeat_interval_s=1.0, heartbeat_timeout_s=4.0))
 
     def _new_p(self, faults: str) -> Server:
         extra: dict[str, Any] = {"engine_id": "kvferry-ci-p", "bootstrap_port": self.bootstrap_port,
