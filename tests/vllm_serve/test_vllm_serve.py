@@ -156,3 +156,38 @@ def test_c_kill_p_mid_transfer_recompute_gives_identical_output(cluster: Any) ->
     assert tokens(response) == tokens(completion(cluster.c.url, cluster.model, prompt))
     assert tokens(completion(d.url, cluster.model, prompt_of(90, 52))) == \
         tokens(completion(cluster.c.url, cluster.model, prompt_of(90, 52)))
+
+
+@pytest.mark.parametrize("mode", ["nixl", "mooncake"])
+def test_g_vllm_router_drives_vllm_pd_with_kvferry(cluster: Any, mode: str) -> None:
+    """vllm-router in front of vLLM P and D running KVFerryConnector (issue 15): in NIXL mode P names the
+    transfer itself; in Mooncake mode the router asks P's bootstrap server (kvferry's) for the engine and
+    sends D an http:// bootstrap address. Outputs equal the colocated server's."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "routers"))
+    from router_procs import Router
+
+    from kvferry.harness.processes import free_port
+
+    p = cluster.prefill("")
+    executable = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    prefill = ["--prefill", p.url] + ([str(cluster.bootstrap_port), "--kv-connector", "mooncake"]
+                                      if mode == "mooncake" else [])
+    port = free_port()
+    router = Router([executable, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+                     "--policy", "round_robin", *prefill, "--decode", cluster.d.url], f"http://127.0.0.1:{port}")
+    try:
+        router.wait_ready(timeout=120)
+        p_served = p.metric("vllm:request_success_total")
+        d_log = len(cluster.d.log_text())
+        prompts = [prompt_of(n, 300 + i) for i, n in enumerate([60, 260])]
+        want = [tokens(completion(cluster.c.url, cluster.model, q)) for q in prompts]
+        assert [tokens(completion(router.url, cluster.model, q)) for q in prompts] == want
+        # Disaggregated: P prefilled each request, and D took every kv_transfer_params it was given.
+        assert p.metric("vllm:request_success_total") == p_served + len(prompts)
+        assert "kv_transfer_params ignored" not in cluster.d.log_text()[d_log:]
+    finally:
+        router.stop()

@@ -56,6 +56,7 @@ from kvferry.connector.pd import (
     PDMetadata,
     validate_kv_transfer_params,
 )
+from kvferry.connector.router_params import RouterParamsError, normalize_kv_transfer_params
 from kvferry.integrations.vllm_layout import VllmKVLayout
 from kvferry.integrations.vllm_metrics import KVFerryPromMetrics, KVFerryStats
 
@@ -224,8 +225,10 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _view(self, request: Any) -> _RequestView:
         params = request.kv_transfer_params
         try:
+            # vllm-router's shapes (NIXL: no transfer_id; Mooncake: http:// bootstrap address) → kvferry's.
+            params = normalize_kv_transfer_params(params, str(request.request_id))
             validate_kv_transfer_params(params)
-        except KVTransferParamsError as exc:
+        except (KVTransferParamsError, RouterParamsError) as exc:
             if request.request_id not in self._bad_params:
                 _remember(self._bad_params, request.request_id, None)
                 log.warning("request %s: kv_transfer_params ignored (%s): %s", request.request_id, exc, params)
