@@ -192,12 +192,27 @@ def test_local_prefix_hit_on_d_computes_locally_and_releases_p(make_pd: Any) -> 
 
 def test_unusable_kv_transfer_params_are_ignored(make_pd: Any) -> None:
     pd = make_pd()
-    p_req = pd.p.add(PROMPT, 1, {"do_remote_decode": True})  # no transfer_id: an ordinary request
+    both = {"do_remote_decode": True, "do_remote_prefill": True, "transfer_id": "xfer-0"}  # contradictory
+    p_req = pd.p.add(PROMPT, 1, both)
     d_req = pd.d.add(PROMPT, 3, {"do_remote_prefill": True, "transfer_id": "xfer-1"})  # no P to pull from
     pd.both_until(lambda: pd.p.finished(p_req.request_id) and pd.d.finished(d_req.request_id), what="both")
     assert pd.p.finished(p_req.request_id).kv_transfer_params is None
     assert pd.d.finished(d_req.request_id).finish_reason == FinishReason.LENGTH
     assert pd.p.sent == [] and pd.d.received == [] and not any(n for _, n in pd.d.alloc_calls)
+    pd.assert_empty()
+
+
+def test_vllm_router_nixl_shape_names_the_transfer_on_p(make_pd: Any) -> None:
+    # vllm-router (NIXL mode) sends P `do_remote_decode` with null remote_* keys and no transfer_id.
+    pd = make_pd()
+    nulls = {k: None for k in ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")}
+    p_req = pd.p.add(PROMPT, 1, {"do_remote_decode": True, **nulls})
+    pd.p.run_until(lambda: pd.p.finished(p_req.request_id) is not None, what="prefill")
+    params = pd.p.finished(p_req.request_id).kv_transfer_params
+    assert params["transfer_id"] == f"xfer-{p_req.request_id}" and params["do_remote_prefill"] is True
+    d_req = pd.d.add(PROMPT, 3, params)
+    out = decode_to_end(pd, d_req.request_id)
+    assert out.finish_reason == FinishReason.LENGTH and pd.d.received == [d_req.request_id]
     pd.assert_empty()
 
 
