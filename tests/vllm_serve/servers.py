@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+# One OpenMP thread per server: fewer threads competing on a 2-core box (docs/vllm.md, "Why the lane is not in CI").
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}
 COMMON = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512")
 BLOCK_SIZE = 128  # vLLM's CPU block size
 START_TIMEOUT_S = 300.0  # 33-85 s alone; several servers starting at once on 2 loaded cores take longer
