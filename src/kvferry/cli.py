@@ -189,6 +189,12 @@ def serve(args: argparse.Namespace) -> int:
     print(f"{who}: HTTP API on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     if args.role == "prefill":
         print(f"{who}: bootstrap server on http://{args.host}:{args.bootstrap_port}", file=sys.stderr, flush=True)
+    if isinstance(worker_connector, PDConnector):
+        stats = worker_connector.stats()
+        for rank, addr in enumerate(stats["control_addrs"]):
+            print(f"{who}: control (ZMQ) of rank {rank} on {addr}", file=sys.stderr, flush=True)
+        for rank, addr in enumerate(stats["transfer_addrs"]):
+            print(f"{who}: data plane ({args.transfer}) of rank {rank} on {addr}", file=sys.stderr, flush=True)
     try:
         app = build_app(engine, extra, args.served_model_name)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -45,6 +45,20 @@ def test_outputs_match_colocated_reference(p_tp: int, d_tp: int) -> None:
             expected = decode(model.generate_greedy(prompt, 6, stop_at_eos=False))
             assert r.json()["choices"][0]["text"] == expected
         assert_clean(p, d)
+        assert_startup_lines_name_every_listener(p, d)
+
+
+def assert_startup_lines_name_every_listener(*procs: Proc) -> None:
+    for proc in procs:
+        state = httpx.get(f"{proc.url}/debug/state", timeout=10).json()
+        connector = state["connector"]
+        assert connector["transfer_addrs"] and bool(connector["control_addrs"]) == (state["role"] == "prefill")
+        log = proc.output_tail(20_000)
+        assert f"HTTP API on {proc.url}" in log, log
+        for rank, addr in enumerate(connector["control_addrs"]):
+            assert f"control (ZMQ) of rank {rank} on {addr}" in log, log
+        for rank, addr in enumerate(connector["transfer_addrs"]):
+            assert f"data plane (tcp) of rank {rank} on {addr}" in log, log
 
 
 def test_sequential_proxy_hands_p_params_to_d() -> None:
