@@ -4,6 +4,7 @@ once (P's blocks free within a second or so, not after P's 30 s abort timeout)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -131,3 +132,59 @@ def test_client_gone_after_prefill_answered_frees_both_sides() -> None:
             wait_until(lambda proc=proc: _all_free(proc), 25, f"{proc.url} blocks free")
         print(f"blocks free {time.monotonic() - left:.2f}s after the client left (P's write was slowed 30 s)")
         assert _finished(d) == {"abort": 1.0}
+
+
+@pytest.mark.timeout(240)
+def test_decode_restarts_under_load_leave_the_proxy_no_sockets() -> None:
+    """Every D restart breaks requests in flight; the proxy cancels their P requests. Before P's requests
+    had connections of their own, each cancel could leave a socket open outside httpx's pool (fds 16 -> 29
+    over 3 restarts, never reclaimed): the soak's growing proxy fds."""
+    p = _prefill("--num-blocks", "256")
+    d_port = free_port()
+    d = serve(d_port, "--role", "decode", "--num-blocks", "256", *COMMON)
+    proxy = _proxy([p], [d])
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def load() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                body = {"prompt": "restart " * 30, "max_tokens": 8, "temperature": 0, "stream": True}
+                with contextlib.suppress(httpx.HTTPError):
+                    answered.append(client.post(f"{proxy.url}/v1/completions", json=body).status_code)
+
+    def wait_for_answers(n: int) -> None:
+        target = len(answered) + n
+        wait_until(lambda: len(answered) >= target, 60, f"{n} more answers")
+
+    def proxy_fds() -> int:
+        return len(os.listdir(f"/proc/{proxy.pid}/fd"))
+
+    restarted: list[Proc] = []
+    try:
+        with running(p, d, proxy, timeout=60):
+            wait_until(lambda: httpx.get(f"{proxy.url}/health", timeout=5).status_code == 200, 30, "proxy")
+            before = proxy_fds()
+            threads = [threading.Thread(target=load) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for _ in range(4):
+                wait_for_answers(20)
+                os.kill(d.pid, signal.SIGKILL)
+                d.popen.wait(timeout=10)
+                d = serve(d_port, "--role", "decode", "--num-blocks", "256", *COMMON)
+                restarted.append(d)
+                d.wait_healthy(60)
+            wait_for_answers(20)
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+            # Idle pooled connections the instances closed are dropped on the next request: one more.
+            httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60)
+            print(f"proxy fds {before} -> {proxy_fds()} over 4 D restarts, {len(answered)} answers")
+            # What stays: httpx's pool, one connection per concurrent request to D (3) plus /health probes.
+            assert proxy_fds() <= before + 8, (before, proxy_fds())
+    finally:
+        stop.set()
+        for proc in restarted:
+            proc.stop()

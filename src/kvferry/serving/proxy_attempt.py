@@ -62,7 +62,7 @@ class Attempt:
             "remote_engine_id": self.target.engine_id,
             "remote_bootstrap_addr": self.target.bootstrap_addr,
         }}
-        prefill = asyncio.create_task(self.client.post(f"{self.target.url}{self.path}", json=p_body))
+        prefill = asyncio.create_task(_post_prefill(f"{self.target.url}{self.path}", p_body))
         prefill.add_done_callback(_consume_exception)
         d_request = self.client.build_request("POST", f"{self.decode.url}{self.path}", json=d_body)
         decode = asyncio.create_task(self.client.send(d_request, stream=True))
@@ -147,7 +147,7 @@ class Attempt:
     async def _sequential(self, p_body: dict[str, Any]) -> tuple[Response, Outcome]:
         """Prefill first, then hand P's kv_transfer_params to D (for prefill instances that are not kvferry)."""
         try:
-            p_response = await self.client.post(f"{self.target.url}{self.path}", json=p_body)
+            p_response = await _post_prefill(f"{self.target.url}{self.path}", p_body)
         except httpx.HTTPError as exc:
             return self._unreachable(self.prefills, self.target, f"prefill request failed: {exc!r}")
         if p_response.status_code != 200:
@@ -172,6 +172,14 @@ class Attempt:
         except httpx.HTTPError as exc:
             return self._unreachable(self.decodes, self.decode, f"decode {self.decode.url} unavailable: {exc!r}")
         return await self._relay(d_response, None)
+
+
+async def _post_prefill(url: str, body: dict[str, Any]) -> httpx.Response:
+    """P's request on a connection of its own, closed on every way out. Cancelling it is how the proxy
+    tells P to abort; cancelled mid-flight on the shared pool, httpx left the socket open and out of the
+    pool (measured: proxy fds 16 -> 29 over 3 D restarts under load, never reclaimed)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0)) as client:
+        return await client.post(url, json=body)
 
 
 async def _cancel(decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[httpx.Response] | None) -> None:
