@@ -7,6 +7,7 @@ skips where vLLM is not installed.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -199,6 +200,21 @@ def test_unusable_kv_transfer_params_are_ignored(make_pd: Any) -> None:
     assert pd.p.finished(p_req.request_id).kv_transfer_params is None
     assert pd.d.finished(d_req.request_id).finish_reason == FinishReason.LENGTH
     assert pd.p.sent == [] and pd.d.received == [] and not any(n for _, n in pd.d.alloc_calls)
+    pd.assert_empty()
+
+
+def test_requests_without_params_on_p_are_served_locally_and_said_once(make_pd: Any,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # What a vLLM P behind sglang-router sees: vLLM's OpenAI server drops the bootstrap_* fields.
+    pd = make_pd()
+    with caplog.at_level(logging.WARNING, logger="kvferry.integrations.vllm"):
+        for _ in range(2):
+            req = pd.p.add(PROMPT, 2, None)
+            pd.p.run_until(lambda r=req: pd.p.finished(r.request_id) is not None, what="a local request")
+            assert pd.p.finished(req.request_id).kv_transfer_params is None
+    said = [r for r in caplog.records if "served locally" in r.getMessage()]
+    assert len(said) == 1 and "prefill" in said[0].getMessage()
+    assert pd.p.sent == []
     pd.assert_empty()
 
 

@@ -220,6 +220,7 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._expect_send: set[str] = set()
         self._expect_recv: set[str] = set()
         self._causes: dict[str, tuple[str, str]] = {}
+        self._warned_local = False
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _view(self, request: Any) -> _RequestView:
@@ -276,6 +277,13 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return self.pd[PREFILL].request_finished(view, block_ids)
         if params.get("do_remote_prefill") and DECODE in self.pd:
             return self.pd[DECODE].request_finished(view, block_ids)
+        if len(self.pd) == 1 and not self._warned_local:
+            # A P or D that computes whole requests itself is legal, but usually means a router sent P/D
+            # fields vLLM's OpenAI server drops (sglang-router's bootstrap_*): both sides compute everything.
+            self._warned_local = True
+            log.warning("request %s on this %s carried no kv_transfer_params for it: served locally, no KV "
+                        "transfer (a router whose P/D fields vLLM drops, e.g. sglang-router, makes every "
+                        "request do this; logged once)", request.request_id, next(iter(self.pd)))
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
