@@ -26,8 +26,9 @@ from rich.table import Table
 
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
 from kvferry.engine.loader import load_codec
-from kvferry.harness.client import RequestResult, make_workload, new_results, run_workload
+from kvferry.harness.client import RequestResult, WorkItem, make_workload, new_results, run_workload
 from kvferry.harness.processes import ManagedProcess, PDSystem, PDSystemConfig, wait_all_healthy
+from kvferry.harness.progress import show_progress
 from kvferry.harness.questions import chat_workload
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.sampler import wait_drained
@@ -47,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos-every", type=float, default=12.0, help="mean seconds between P kills/freezes")
     parser.add_argument("--no-process-chaos", action="store_true", help="only injected faults, no kill/stop")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
+    parser.add_argument("--no-live", action="store_true", help="no live view (plain progress lines)")
     from kvferry.harness import netchaos
 
     netchaos.add_arguments(parser)
@@ -181,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
             chaos = _PChaos(system, args.chaos_every, args.seed, t0)
             chaos.start()
         assert system.proxy is not None
-        asyncio.run(run_workload(system.proxy.url, items, results, t0, args.concurrency, timeout=120.0))
+        progress = _Progress(results, chaos, t0)
+        live = not args.no_live and console.is_terminal
+        asyncio.run(_drive(system.proxy.url, items, results, t0, args.concurrency, console, live, progress))
         if chaos is not None:
             chaos.halt.set()
             chaos.join(timeout=60)
@@ -233,6 +237,38 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if ok else 1
+
+
+async def _drive(url: str, items: list[WorkItem], results: list[RequestResult], t0: float, concurrency: int,
+                 console: Console, live: bool, progress: _Progress) -> None:
+    stop = asyncio.Event()
+    shown = asyncio.create_task(show_progress(console, live, progress.view, progress.line, stop))
+    try:
+        await run_workload(url, items, results, t0, concurrency, timeout=120.0)
+    finally:
+        stop.set()
+        await shown
+
+
+class _Progress:
+    """What the live view shows: requests by outcome and the P kills/freezes so far."""
+
+    def __init__(self, results: list[RequestResult], chaos: _PChaos | None, t0: float) -> None:
+        self.results, self.chaos, self.t0 = results, chaos, t0
+
+    def line(self) -> str:
+        outcomes = Counter(r.outcome for r in self.results)
+        done = sum(n for k, n in outcomes.items() if k not in ("pending", "running"))
+        events = self.chaos.events if self.chaos is not None else []
+        last = f", last: {events[-1].kind} at {events[-1].start:.0f}s" if events else ""
+        counts = " ".join(f"{k} {n}" for k, n in sorted(outcomes.items()))
+        return (f"kvferry chaos: {time.monotonic() - self.t0:5.0f}s  {done}/{len(self.results)} done  "
+                f"({counts})  P events {len(events)}{last}")
+
+    def view(self) -> Table:
+        table = Table(show_header=False, box=None)
+        table.add_row(self.line())
+        return table
 
 
 def _print(console: Console, report: dict[str, Any]) -> None:

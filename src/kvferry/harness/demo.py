@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import signal
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from types import FrameType
 from typing import Any
 
@@ -48,6 +47,7 @@ from kvferry.engine.loader import ModelLoadError, load_codec
 from kvferry.harness.client import make_workload, new_results, run_workload
 from kvferry.harness.plot import write_plot
 from kvferry.harness.processes import PDSystem, PDSystemConfig, default_blas_threads
+from kvferry.harness.progress import show_progress
 from kvferry.harness.questions import chat_workload
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.report import BYTES, RECOMPUTED, TRANSFERS, DemoRun, build_report, print_report
@@ -232,28 +232,11 @@ def _plain_line(run: DemoRun) -> str:
 async def _drive(run: DemoRun, console: Console, live: bool) -> None:
     """Workload, then drain (are all blocks back?), then the reference. The sampler runs until the drain
     ends; the view until the end."""
-    from rich.live import Live
-
     a = run.args
     stop, stop_sampling = asyncio.Event(), asyncio.Event()
 
-    async def show() -> None:
-        live_view = Live(_render(run, console.width), console=console, auto_refresh=False) if live else None
-        last_line = time.monotonic()
-        if live_view is not None:
-            live_view.start()
-        try:
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.25)
-                if live_view is not None:
-                    live_view.update(_render(run, console.width), refresh=True)
-                elif time.monotonic() - last_line >= 5.0 or stop.is_set():
-                    last_line = time.monotonic()
-                    console.print(_plain_line(run), highlight=False)
-        finally:
-            if live_view is not None:
-                live_view.stop()
+    def show() -> Coroutine[Any, Any, None]:
+        return show_progress(console, live, lambda: _render(run, console.width), lambda: _plain_line(run), stop)
 
     assert run.system.proxy is not None
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
