@@ -22,10 +22,22 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(i * 31 + salt * 7 + 3) % 256 for i in range(n)]
 
 
+def heartbeat_rtts(url: str) -> dict[str, float]:
+    """D's kvferry_heartbeat_rtt_seconds histogram: how many acks, and how many within each bound."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvferry_heartbeat_rtt_seconds_count"):
+            out["count"] = float(line.split()[-1])
+        elif line.startswith("kvferry_heartbeat_rtt_seconds_bucket") and 'le="+Inf"' not in line:
+            bound = line.split('le="')[1].split('"')[0]
+            out[f"within_{bound}s"] = float(line.split()[-1])
+    return out
+
+
 def test_long_prefill_then_small_request_no_false_failures() -> None:
     abort_s = float(os.environ.get("KVFERRY_BUSY_ABORT_S", ABORT_S))
     args = ("--abort-timeout", str(abort_s), "--kv-load-failure-policy", "fail", "--kv-load-deadline", "600")
-    with pd_system(p_args=args, d_args=args) as (p, _d, proxy):
+    with pd_system(p_args=args, d_args=args) as (p, d, proxy):
         results: dict[str, httpx.Response] = {}
         elapsed: dict[str, float] = {}
 
@@ -50,7 +62,11 @@ def test_long_prefill_then_small_request_no_false_failures() -> None:
             t.join(timeout=600)
         for name in ("long", "small"):
             assert results[name].status_code == 200, f"{name}: {results[name].text}"
-        print(f"long ({LONG_TOKENS} tokens): {elapsed['long']:.1f}s, small: {elapsed['small']:.1f}s, both 200")
+        rtt = heartbeat_rtts(d.url)
+        print(f"long ({LONG_TOKENS} tokens): {elapsed['long']:.1f}s, small: {elapsed['small']:.1f}s, both 200; "
+              f"D's heartbeats during it: {rtt}")
+        # What answers heartbeats never waits behind P's model step: every ack within D's timeout (1.5 s).
+        assert rtt["count"] > 0 and rtt["within_1.0s"] == rtt["count"], rtt
         assert elapsed["long"] > 2 * abort_s, f"the prefill took only {elapsed['long']:.1f}s: nothing was tested"
         expected = decode(TinyLlama(ModelConfig(seed=0)).generate_greedy(small, 2, stop_at_eos=False))
         assert results["small"].json()["choices"][0]["text"] == expected

@@ -61,6 +61,22 @@ def assert_startup_lines_name_every_listener(*procs: Proc) -> None:
             assert f"data plane (tcp) of rank {rank} on {addr}" in log, log
 
 
+def _metric(text: str, name: str) -> float:
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+
+def test_d_measures_heartbeat_round_trips() -> None:
+    """P's writes take 1.5 s (`slow`): D heartbeats the pull meanwhile and times every ack."""
+    with pd_system(p_args=("--faults", "slow=1500")) as (p, d, proxy):
+        r = complete(proxy.url, prompts(1, 40)[0])
+        assert r.status_code == 200, r.text
+        text = httpx.get(f"{d.url}/metrics", timeout=10).text
+        count = _metric(text, "kvferry_heartbeat_rtt_seconds_count")
+        assert count >= 2, text
+        assert _metric(text, 'kvferry_heartbeat_rtt_seconds_bucket{le="1.0"}') == count  # an idle P answers fast
+        assert_clean(p, d)
+
+
 def test_sequential_proxy_hands_p_params_to_d() -> None:
     """The proxy mode for prefill instances that do not announce a bootstrap (vLLM): P first, then D
     with the kv_transfer_params of P's answer."""

@@ -352,7 +352,8 @@ class Consumer:
     def _dealer(self, d_rank: int, addr: str) -> Dealer:
         dealer = self._dealers.get((d_rank, addr))
         if dealer is None:
-            dealer = Dealer(self._ctx, addr, self._on_peer_dead, self.config.liveness)
+            dealer = Dealer(self._ctx, addr, self._on_peer_dead, self.config.liveness,
+                            self.metrics.heartbeat_rtt_seconds.observe)
             self._dealers[(d_rank, addr)] = dealer
         return dealer
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +34,13 @@ OnDead = Callable[[list[str], str], None]
 
 
 class Dealer:
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, on_dead: OnDead, watch_connection: bool) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, on_dead: OnDead, watch_connection: bool,
+                 on_rtt: Callable[[float], None] | None = None) -> None:
         self.addr = addr
         self.on_dead = on_dead
+        self.on_rtt = on_rtt
+        # Send times of heartbeats not yet acked: P answers them in order on this one connection.
+        self._pings: deque[float] = deque(maxlen=64)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
@@ -86,8 +91,10 @@ class Dealer:
             self._dead(f"P at {self.addr} silent for {now - since:.1f}s (heartbeat timeout)")
             return
         self.send_raw(encode(Heartbeat(sorted({tid for tid, _ in self.waiters}), lease_s)))
+        self._pings.append(now)
 
     def _dead(self, reason: str) -> None:
+        self._pings.clear()
         request_ids = [rid for _, rid in self.waiters]
         self.waiters.clear()
         self.writing_since.clear()
@@ -105,6 +112,8 @@ class Dealer:
                 log.warning("malformed reply from %s ignored: %s", self.addr, exc)
                 continue
             if isinstance(message, HeartbeatAck):
+                if self._pings and self.on_rtt is not None:
+                    self.on_rtt(self.last_seen - self._pings.popleft())
                 for tid in message.working:
                     self.working_seen[tid] = self.last_seen
                 continue
@@ -122,6 +131,7 @@ class Dealer:
             event = parse_monitor_message(await monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self._pings.clear()  # a new P process: the old one's acks never come
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self._dead(f"connection to P at {self.addr} closed")

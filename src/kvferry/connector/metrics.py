@@ -37,6 +37,10 @@ class Metrics:
         self.kv_transfer_seconds = Histogram(
             "kvferry_kv_transfer_seconds", "Duration of one KV transfer", buckets=_TRANSFER_BUCKETS, registry=r
         )
+        self.heartbeat_rtt_seconds = Histogram(
+            "kvferry_heartbeat_rtt_seconds", "D: from a heartbeat to P's ack (P's liveness under load)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0), registry=r,
+        )
         self.requests_waiting_for_remote_kv = Gauge(
             "kvferry_requests_waiting_for_remote_kv", "Requests in WAITING_FOR_REMOTE_KVS", registry=r
         )
