@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
 from kvferry.engine.loader import load_codec
@@ -265,10 +266,8 @@ class _Progress:
         return (f"kvferry chaos: {time.monotonic() - self.t0:5.0f}s  {done}/{len(self.results)} done  "
                 f"({counts})  P events {len(events)}{last}")
 
-    def view(self) -> Table:
-        table = Table(show_header=False, box=None)
-        table.add_row(self.line())
-        return table
+    def view(self) -> Text:
+        return Text(self.line())
 
 
 def _print(console: Console, report: dict[str, Any]) -> None:

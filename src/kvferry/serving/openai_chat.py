@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvferry.serving.protocol import check_json_safe, error_body
+from kvferry.serving.protocol import check_json_safe, error_body, usage
 
 
 class TextPart(BaseModel):
@@ -78,14 +78,6 @@ def model_not_found(name: str) -> dict[str, Any]:
     return error_body(f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found")
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 def chat_body(
     request_id: str,
     model: str,
@@ -105,7 +97,7 @@ def chat_body(
             {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
              "finish_reason": finish_reason}
         ],
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens),
         "kv_transfer_params": kv_transfer_params,
     }  # fmt: skip
     if extra:
@@ -138,7 +130,7 @@ def chat_chunk(
     if finish_reason is not None:
         body["kv_transfer_params"] = kv_transfer_params
         if include_usage:
-            body["usage"] = _usage(prompt_tokens, completion_tokens)
+            body["usage"] = usage(prompt_tokens, completion_tokens)
     if extra:
         body.update(extra)
     return body

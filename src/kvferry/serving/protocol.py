@@ -93,6 +93,14 @@ def error_body(message: str, type_: str, code: str | int | None = None) -> dict[
     return {"error": {"message": message, "type": type_, "code": code}}
 
 
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 def completion_body(
     request_id: str,
     model: str,
@@ -109,11 +117,7 @@ def completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage(prompt_tokens, completion_tokens),
         "kv_transfer_params": kv_transfer_params,
     }
     if extra:
