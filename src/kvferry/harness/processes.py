@@ -26,19 +26,28 @@ BLAS_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 # Ports handed to children are picked below Linux's ephemeral range (32768-60999 by default): a port the
 # kernel gives to some bind(0) or outgoing connection meanwhile can then never collide with them.
+# A port is also never handed out twice by one process: a child that has not bound its port yet leaves it
+# free, and the next pick (say D's port right after P's) could be the same one (seen in CI: D failed to
+# bind, and P answered D's health checks and requests).
 _PORT_RANGE = (20000, 32000)
 _port_rng = random.Random()
+_handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback port that is free now, for a process about to be started with it."""
+    """A loopback port that is free now and not handed out before, for a process about to be started with it."""
+    if len(_handed_out) > (_PORT_RANGE[1] - _PORT_RANGE[0]) // 2:
+        _handed_out.clear()  # a long session: the oldest children are long gone
     for _ in range(200):
         port = _port_rng.randrange(*_PORT_RANGE)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((LOOPBACK, port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind((LOOPBACK, 0))
@@ -88,10 +97,15 @@ class ManagedProcess:
         return self.popen.poll()
 
     def healthy(self) -> bool:
+        """/health answers 200, from this very process (not some other server on the same port)."""
         try:
-            return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
+            response = httpx.get(f"{self.url}/health", timeout=1.0)
+            if response.status_code != 200:
+                return False
+            body = response.json()
+        except (httpx.HTTPError, ValueError):
             return False
+        return not isinstance(body, dict) or body.get("pid", self.pid) == self.pid
 
     def output_tail(self, chars: int = 4000) -> str:
         with contextlib.suppress(OSError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served
         if not engine.alive:
             why = repr(engine.fatal_error) if engine.fatal_error is not None else "engine stopped"
             return JSONResponse({"status": "error", "error": why}, status_code=503)
-        info = {"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id}
+        info = {"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id, "pid": os.getpid()}
         return JSONResponse({**info, **(health_extra or {})})
 
     @app.get("/metrics", response_class=Response, responses=METRICS_200)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -77,7 +78,7 @@ def build_proxy_app(
     @app.get("/health")
     async def health() -> dict[str, Any]:
         ejected = [i.url for i in [*prefills.instances, *decodes.instances] if i.ejected]
-        return {"status": "ok", "role": "proxy", "prefill": prefill_urls, "decode": decode_urls, "ejected": ejected}
+        return {"status": "ok", "role": "proxy", "pid": os.getpid(), "prefill": prefill_urls, "decode": decode_urls, "ejected": ejected}
 
     @app.get("/metrics", response_class=Response, responses=METRICS_200)
     async def prom() -> Response:
