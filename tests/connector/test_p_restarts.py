@@ -69,7 +69,10 @@ def test_p_restarted_at_the_same_address_serves_the_next_request_and_d_sockets_s
         while len(consumer._dealers) > 0:
             assert time.monotonic() < deadline, f"{len(consumer._dealers)} DEALERs kept for dead P ranks"
             time.sleep(0.05)
-        assert open_fds() <= fds_after_first + 4, (fds_after_first, open_fds())
+        # ZMQ's I/O thread closes a closed socket's fds a little later (CI once saw 61 fds, then 36).
+        while open_fds() > fds_after_first + 4:
+            assert time.monotonic() < deadline + 5, (fds_after_first, open_fds())
+            time.sleep(0.05)
     finally:
         consumer.close()
         d_engine.close()
