@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry.harness.processes import free_port
-from procs import Proc, running, serve
+from procs import running, serve
 
 
 def test_free_port_never_hands_out_a_port_twice() -> None:

@@ -1,9 +1,9 @@
 """`kvferry bench lease`: how long P holds a prefill's blocks after the D pulling them dies or hangs.
 
 For each repetition P prefills a request and D pulls it while P sits on the write (`slow` fault, a
-write that D's lease can cancel like a real one); then D gets `kill -9` or SIGSTOP, and we time until
+write that D's lease can cancel like a real one); then D gets `kill -9` or SIGSTOP (at a random phase of its heartbeats), and we time until
 P's block pool is whole again (`/debug/state`: blocks_free == blocks_total). D stops heartbeating, so
-its lease (8 × 0.25 s) runs out, P cancels the writes to it and frees the blocks; the abort timeout
+its lease (7 × 0.25 s) runs out, P cancels the writes to it and frees the blocks; the abort timeout
 (30 s here) no longer matters. D is restarted after each repetition.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import threading
 import time
@@ -36,6 +37,7 @@ def p_blocks_free(p_url: str) -> bool:
 
 class _Rig:
     def __init__(self) -> None:
+        self.rng = random.Random(0)
         self.p_port, self.d_port = free_port(), free_port()
         common = ["--host", LOOPBACK, "--seed", "0", "--num-blocks", "256", "--abort-timeout", str(ABORT_TIMEOUT_S)]
         p_args = ["serve", "--role", "prefill", "--port", str(self.p_port), "--bootstrap-port", str(free_port()),
@@ -59,6 +61,9 @@ class _Rig:
 
         threading.Thread(target=send, daemon=True).start()
         _wait(lambda: writing(self.prefill.url, self.decode.url), 30, "P writing the pull")
+        assert not p_blocks_free(self.prefill.url)
+        # At any phase of D's heartbeats (every 0.25 s): the worst case is a fault just after one.
+        time.sleep(self.rng.uniform(0.0, 0.5))
         assert not p_blocks_free(self.prefill.url)
         signalled = time.monotonic()
         os.kill(self.decode.pid, sig)

@@ -12,6 +12,8 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.messages import PullResponse
 from kvferry.transfer.base import ByteRange
 
+LEASE_HEARTBEATS = 7
+
 
 @dataclass(frozen=True)
 class PullSpec:
@@ -46,8 +48,9 @@ class ConsumerConfig:
 
     @property
     def lease_s(self) -> float:
-        """How long P holds a transfer without hearing from us (0: P's own abort timeout)."""
-        return 8 * self.heartbeat_interval_s if self.liveness else 0.0
+        """How long P holds a transfer without hearing from us (0: P's own abort timeout). Seven missed
+        heartbeats: P frees within 2 s of the last one, counting its sweep and the write it cancels."""
+        return LEASE_HEARTBEATS * self.heartbeat_interval_s if self.liveness else 0.0
 
 
 @dataclass
