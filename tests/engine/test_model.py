@@ -41,13 +41,14 @@ def new_cache(model: TinyLlama, fill: float = 0.0) -> np.ndarray:
 
 
 def run_pieces(
-    model: TinyLlama, cache: np.ndarray, tokens: Sequence[int], cuts: Sequence[int], table: Sequence[int]
+    model: TinyLlama, cache: np.ndarray, tokens: Sequence[int], cuts: Sequence[int], table: Sequence[int],
+    prompt_len: int | None = None,
 ) -> np.ndarray:
     """Forward `tokens` in pieces ending at each cut (and at the end); the last piece's logits."""
     bounds = [0, *sorted({c for c in cuts if 0 < c < len(tokens)}), len(tokens)]
     logits = np.empty(0, np.float32)
     for start, end in zip(bounds, bounds[1:], strict=False):
-        logits = model.forward(cache, BS, tokens[start:end], start, table)
+        logits = model.forward(cache, BS, tokens[start:end], start, table, prompt_len)
     return logits
 
 
@@ -101,6 +102,44 @@ def test_random_splits_over_stale_cache_are_bit_identical(
     logits = run_pieces(model, cache, tokens, [int(f * length) for f in cut_fractions], table)
     assert logits.tobytes() == ref.tobytes()
     assert kv_of(cache, table, length) == kv_of(ref_cache, table, length)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prompt_len=st.integers(1, 70),
+    generated=st.integers(1, 40),
+    cut_fractions=st.lists(st.floats(0, 1), max_size=4),
+    garbage=st.sampled_from([0.0, np.nan]),
+)
+def test_generated_tokens_recomputed_in_any_pieces_match_decoding_them(
+    model: TinyLlama, prompt_len: int, generated: int, cut_fractions: list[float], garbage: float
+) -> None:
+    """Generated positions run row by row, prompt positions as tiles: a preempted sequence recomputed
+    in one call or in any pieces (prompt and generated rows sharing a tile) gives the decoded bits."""
+    length = prompt_len + generated
+    tokens = prompt(length, seed=length)
+    table = shuffled_table(-(-length // BS), seed=prompt_len)
+    ref_cache = new_cache(model)
+    ref = model.forward(ref_cache, BS, tokens[:prompt_len], 0, table, prompt_len)
+    for position in range(prompt_len, length):  # decoding, one token per call
+        ref = model.forward(ref_cache, BS, tokens[position : position + 1], position, table, prompt_len)
+    cache = new_cache(model, fill=garbage)
+    cuts = [int(f * length) for f in cut_fractions]
+    assert run_pieces(model, cache, tokens, cuts, table, prompt_len).tobytes() == ref.tobytes()
+    assert kv_of(cache, table, length) == kv_of(ref_cache, table, length)
+
+
+def test_prompt_positions_never_depend_on_the_generated_ones_in_their_tile(model: TinyLlama) -> None:
+    """A prompt's K/V and last logits are the same bits whatever is generated after it (P sends them
+    before D generates anything)."""
+    tokens = prompt(40, seed=11)
+    table = shuffled_table(3, seed=11)
+    alone = new_cache(model)
+    ref = model.forward(alone, BS, tokens[:37], 0, table, 37)
+    with_output = new_cache(model)
+    model.forward(with_output, BS, tokens, 0, table, 37)
+    assert kv_of(with_output, table, 37) == kv_of(alone, table, 37)
+    assert model.forward(new_cache(model), BS, tokens[:37], 0, table, 37).tobytes() == ref.tobytes()
 
 
 @pytest.mark.parametrize("length", [40, 300])
@@ -166,7 +205,7 @@ def test_interleaved_sequences_in_one_cache_match_each_run_alone(model: TinyLlam
             if len(outputs[i]) >= max_tokens:
                 continue
             end = min(len(sequences[i]), computed[i] + chunk)
-            logits = model.forward(cache, BS, sequences[i][computed[i] : end], computed[i], tables[i])
+            logits = model.forward(cache, BS, sequences[i][computed[i] : end], computed[i], tables[i], len(prompts[i]))
             computed[i] = end
             if end == len(sequences[i]):
                 token = sample(logits, 0.0, None, end)

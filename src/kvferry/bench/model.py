@@ -40,7 +40,7 @@ def _numpy_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int) -> dict
     logits = model.forward(cache, BLOCK_SIZE, ids, 0, list(range(blocks)))
     begin = time.perf_counter()
     for i in range(decode_tokens):
-        logits = model.forward(cache, BLOCK_SIZE, [int(np.argmax(logits))], 128 + i, list(range(blocks)))
+        logits = model.forward(cache, BLOCK_SIZE, [int(np.argmax(logits))], 128 + i, list(range(blocks)), 128)
     out["decode"] = decode_tokens / (time.perf_counter() - begin)
     return out
 

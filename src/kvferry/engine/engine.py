@@ -290,6 +290,7 @@ class Engine:
                 request.token_ids(chunk.start_pos, end),
                 chunk.start_pos,
                 self.scheduler.block_tables[request.request_id],
+                request.num_prompt_tokens,
             )
             if end == request.num_tokens:
                 params = request.sampling_params

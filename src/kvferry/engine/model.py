@@ -5,15 +5,19 @@ head_dim]` (`KVCacheSpec`); position p of a sequence lives in block `block_table
 slot `p % block_size`.
 
 Bit-identity by construction: a forward call is cut into block-aligned chunks, and every numpy
-operation that touches position p has operands whose shapes and strides depend only on p's block:
-  * linear layers and norms run on a fixed `[block_size, hidden]` tile, position p at row
-    `p % block_size`, unused rows zero;
+operation that touches position p has operands whose shapes and strides depend only on p's block and
+on whether p is a prompt position or a generated one (`prompt_len`):
+  * norms run on a fixed `[block_size, hidden]` tile, position p at row `p % block_size`, unused rows
+    zero; linear layers run on that whole tile for prompt positions (one matrix product: prefill
+    speed) and row by row for generated positions (one vector-matrix product each: what decoding
+    costs in any engine), so a generated token never pays for a whole tile;
+  * the LM head runs on the last position's row alone (a vector-matrix product);
   * attention for block b reads exactly `(b + 1) * block_size` keys/values, gathered into a per-thread
     buffer of fixed capacity (so the operands also have the same strides whatever the call's length);
     keys after the chunk's last position are zero and masked, so stale cache contents never matter.
 So the K/V written and the logits are the same bits whether a prompt is run in one call, split at any
-position, continued from K/V copied in from elsewhere, decoded token by token, or interleaved with
-other sequences (one call per sequence). This holds for one CPU type, numpy/OpenBLAS build and BLAS
+position, continued from K/V copied in from elsewhere, decoded token by token, recomputed after a
+preemption, or interleaved with other sequences (one call per sequence). This holds for one CPU type, numpy/OpenBLAS build and BLAS
 thread count: OpenBLAS splits a matmul differently with a different OPENBLAS_NUM_THREADS.
 """
 
@@ -53,6 +57,15 @@ class ModelConfig:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
+
+
+@dataclass(frozen=True)
+class TileRows:
+    """A tile's live rows [lo, hi): prompt positions in [lo, split), generated ones in [split, hi)."""
+
+    lo: int
+    split: int
+    hi: int
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,9 @@ class TinyLlama:
         self.config = cfg = config or ModelConfig()
         w = weights or random_weights(cfg)
         self.embed, self.layers, self.final_norm, self.lm_head = w.embed, w.layers, w.final_norm, w.lm_head
+        # `[vocab, hidden]`, row-major: for tied weights that is `embed` itself (no copy), and a
+        # matrix-vector product over it reads memory in order (about twice as fast as `x @ lm_head`).
+        self._lm_head_rows = np.ascontiguousarray(self.lm_head.T)
 
         inv_freq = cfg.rope_theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
         angles = np.outer(np.arange(cfg.max_position, dtype=np.float64), inv_freq)
@@ -133,10 +149,13 @@ class TinyLlama:
         token_ids: Sequence[int],
         start_pos: int,
         block_table: Sequence[int],
+        prompt_len: int | None = None,
     ) -> FloatArray:
         """Run positions [start_pos, start_pos + len(token_ids)) of one sequence; return the last one's logits.
 
         Positions before start_pos must already be in the cache; the new K/V are written into it.
+        Positions from `prompt_len` on are generated tokens (None: all are prompt positions); every
+        caller must say the same for a sequence, since the two kinds are computed differently.
         """
         cfg = self.config
         tokens = np.asarray(token_ids, dtype=np.int64)
@@ -150,40 +169,61 @@ class TinyLlama:
         rows = np.arange(start_pos, end_pos) - first_block * block_size
         tiles.reshape(-1, cfg.hidden_size)[rows] = self.embed[tokens]
 
+        generated_from = end_pos if prompt_len is None else max(prompt_len, 0)
+        live_rows = [self._tile_rows(first_block + i, start_pos, end_pos, generated_from, block_size)
+                   for i in range(num_tiles)]
         kv = self._scratch_kv(block_size)
         prefix_len = (last_block + 1) * block_size
         for layer_index, weights in enumerate(self.layers):
             # Whole blocks are loaded; their slots from start_pos on are overwritten or zeroed below.
             self._load_cached_kv(kv, kv_cache[table[: -(-start_pos // block_size)], layer_index])
             kv[:, :, end_pos:prefix_len] = 0.0
-            for tile_index in range(num_tiles):
+            for tile_index, live in enumerate(live_rows):
                 block = first_block + tile_index
-                lo = max(start_pos, block * block_size) - block * block_size
-                hi = min(end_pos, (block + 1) * block_size) - block * block_size
                 x = tiles[tile_index]
-                x += self._attention(x, weights, kv, block, lo, hi, block_size)
-                new_positions = slice(block * block_size + lo, block * block_size + hi)
-                kv_cache[table[block], layer_index, :, :, lo:hi] = kv[:, :, new_positions]
-                x += self._mlp(x, weights)
+                x += self._attention(x, weights, kv, block, live, block_size)
+                new_positions = slice(block * block_size + live.lo, block * block_size + live.hi)
+                kv_cache[table[block], layer_index, :, :, live.lo : live.hi] = kv[:, :, new_positions]
+                x += self._mlp(x, weights, live)
 
-        logits = _rms_norm(tiles[-1], self.final_norm, cfg.rms_eps) @ self.lm_head
-        last_logits: FloatArray = logits[(end_pos - 1) % block_size].copy()
-        return last_logits
+        last_row = _rms_norm(tiles[-1], self.final_norm, cfg.rms_eps)[(end_pos - 1) % block_size]
+        logits: FloatArray = self._lm_head_rows @ last_row
+        return logits
+
+    @staticmethod
+    def _tile_rows(block: int, start_pos: int, end_pos: int, generated_from: int, block_size: int) -> TileRows:
+        base = block * block_size
+        lo, hi = max(start_pos, base) - base, min(end_pos, base + block_size) - base
+        split = min(max(generated_from - base, lo), hi)
+        return TileRows(lo=lo, split=split, hi=hi)
+
+    @staticmethod
+    def _linear(x: FloatArray, weight: FloatArray, rows: TileRows) -> FloatArray:
+        """`x @ weight` for the tile's live rows: the whole tile if a prompt row is live, then each
+        generated row as its own vector-matrix product (a batch of them is still one product each)."""
+        if rows.lo < rows.split:
+            out: FloatArray = x @ weight
+        else:
+            out = np.zeros((x.shape[0], weight.shape[1]), dtype=np.float32)
+        if rows.split < rows.hi:
+            out[rows.split : rows.hi] = (x[rows.split : rows.hi, None, :] @ weight)[:, 0]
+        return out
 
     def _attention(
-        self, x: FloatArray, w: LayerWeights, kv: FloatArray, block: int, lo: int, hi: int, block_size: int
+        self, x: FloatArray, w: LayerWeights, kv: FloatArray, block: int, rows: TileRows, block_size: int
     ) -> FloatArray:
-        """Attention output for the tile of `block`; also fills rows [lo, hi) of the block in `kv`."""
+        """Attention output for the tile of `block`; also fills its live rows in `kv`."""
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = heads // kv_heads
-        qkv = _rms_norm(x, w.attn_norm, cfg.rms_eps) @ w.qkv
+        qkv = self._linear(_rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv, rows)
         q = qkv[:, : heads * head_dim].reshape(block_size, heads, head_dim)
         k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(block_size, kv_heads, head_dim)
         v = qkv[:, (heads + kv_heads) * head_dim :].reshape(block_size, kv_heads, head_dim)
         positions = slice(block * block_size, (block + 1) * block_size)
         cos, sin = self._rope_cos[positions, None, :], self._rope_sin[positions, None, :]
         q = _rope(q, cos, sin) * self._q_scale
+        lo, hi = rows.lo, rows.hi
         new = slice(block * block_size + lo, block * block_size + hi)
         kv[0, :, new] = _rope(k, cos, sin)[lo:hi].transpose(1, 0, 2)
         kv[1, :, new] = v[lo:hi].transpose(1, 0, 2)
@@ -201,14 +241,14 @@ class TinyLlama:
         denominators = scores.sum(axis=-1, keepdims=True)
         out = (scores @ values) / denominators  # [kv_heads, group * block_size, head_dim]
         out = out.reshape(kv_heads, group, block_size, head_dim).transpose(2, 0, 1, 3)
-        return np.ascontiguousarray(out).reshape(block_size, heads * head_dim) @ w.o_proj
+        return self._linear(np.ascontiguousarray(out).reshape(block_size, heads * head_dim), w.o_proj, rows)
 
-    def _mlp(self, x: FloatArray, w: LayerWeights) -> FloatArray:
+    def _mlp(self, x: FloatArray, w: LayerWeights, rows: TileRows) -> FloatArray:
         cfg = self.config
-        gate_up = _rms_norm(x, w.mlp_norm, cfg.rms_eps) @ w.gate_up
+        gate_up = self._linear(_rms_norm(x, w.mlp_norm, cfg.rms_eps), w.gate_up, rows)
         gate, up = gate_up[:, : cfg.ffn_size], gate_up[:, cfg.ffn_size :]
         silu = gate / (np.float32(1.0) + np.exp(-gate))
-        return np.ascontiguousarray(silu * up) @ w.down
+        return self._linear(np.ascontiguousarray(silu * up), w.down, rows)
 
     def _scratch_kv(self, block_size: int) -> FloatArray:
         """This thread's `[2, kv_heads, capacity, head_dim]` K/V of the sequence being run.
@@ -271,7 +311,7 @@ class TinyLlama:
         num_blocks = needed if num_blocks is None else num_blocks
         kv_cache = self.allocate_kv_cache(self.kv_cache_spec(num_blocks, block_size))
         block_table = list(range(needed))
-        logits = self.forward(kv_cache, block_size, prompt_ids, 0, block_table)
+        logits = self.forward(kv_cache, block_size, prompt_ids, 0, block_table, len(prompt_ids))
         output: list[int] = []
         while True:
             token = sample(logits, 0.0, None, len(prompt_ids) + len(output))
@@ -279,7 +319,7 @@ class TinyLlama:
             if len(output) >= max_tokens or (stop_at_eos and token == eos_token_id):
                 return output
             position = len(prompt_ids) + len(output) - 1
-            logits = self.forward(kv_cache, block_size, [token], position, block_table)
+            logits = self.forward(kv_cache, block_size, [token], position, block_table, len(prompt_ids))
 
 
 _MIN_TEMPERATURE = 1e-5
