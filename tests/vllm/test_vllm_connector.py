@@ -51,8 +51,9 @@ class PD:
 
     def __init__(self, model_dir: str, policy: str = "fail", faults: str = "", layout: str = "LBNHC",
                  num_blocks: int = 64, abort_timeout_s: float = 10.0,
-                 roles: tuple[str, str] = ("kv_producer", "kv_consumer")) -> None:
-        common: dict[str, Any] = {"faults": faults, "abort_timeout_s": abort_timeout_s, "kv_load_deadline_s": 15.0}
+                 roles: tuple[str, str] = ("kv_producer", "kv_consumer"), staging: str = "auto") -> None:
+        common: dict[str, Any] = {"faults": faults, "abort_timeout_s": abort_timeout_s, "kv_load_deadline_s": 15.0,
+                                  "staging": staging}
         self.faults = FaultSpec.parse(faults)
         self.p = Instance("P", model_dir, roles[0], {**common, "bootstrap_port": free_port()},
                           layout=layout, num_blocks=num_blocks)
@@ -146,13 +147,17 @@ def decode_to_end(pd: PD, d_req: str) -> Any:
 
 
 # ---- the happy path -------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("layout", "roles"), [
-    ("LBNHC", ("kv_producer", "kv_consumer")),
-    ("BLHNC", ("kv_producer", "kv_consumer")),  # block-outermost: layers interleave in one region
-    ("LBNHC", ("kv_both", "kv_both")),
+@pytest.mark.parametrize(("layout", "roles", "staging"), [
+    ("LBNHC", ("kv_producer", "kv_consumer"), "auto"),
+    ("BLHNC", ("kv_producer", "kv_consumer"), "auto"),  # block-outermost: layers interleave in one region
+    ("LBNHC", ("kv_both", "kv_both"), "auto"),
+    # Through host mirrors, as for a KV cache on a GPU: D's KV cache gets the bytes only by staging.
+    ("LBNHC", ("kv_producer", "kv_consumer"), "always"),
+    ("BLHNC", ("kv_producer", "kv_consumer"), "always"),
 ])
-def test_request_runs_p_to_d(make_pd: Any, layout: str, roles: tuple[str, str]) -> None:
-    pd = make_pd(layout=layout, roles=roles)
+def test_request_runs_p_to_d(make_pd: Any, layout: str, roles: tuple[str, str], staging: str) -> None:
+    pd = make_pd(layout=layout, roles=roles, staging=staging)
+    assert pd.p.worker.layout.staged == pd.d.worker.layout.staged == (staging == "always")
     p_req, params = pd.prefill(PROMPT)
     assert params["do_remote_prefill"] is True and params["remote_engine_id"] == pd.p.engine_id
     assert params["remote_bootstrap_addr"] == pd.p.bootstrap_addr
@@ -255,9 +260,10 @@ def test_failed_load_under_fail_ends_in_error(make_pd: Any, faults: str) -> None
     pd.assert_empty()
 
 
+@pytest.mark.parametrize("staging", ["auto", "always"])
 @pytest.mark.parametrize("faults", FAULTS)
-def test_failed_load_under_recompute_cuts_at_first_invalid_block(make_pd: Any, faults: str) -> None:
-    pd = make_pd(policy="recompute", faults=faults, abort_timeout_s=1.5)
+def test_failed_load_under_recompute_cuts_at_first_invalid_block(make_pd: Any, faults: str, staging: str) -> None:
+    pd = make_pd(policy="recompute", faults=faults, abort_timeout_s=1.5, staging=staging)
     p_req, params = pd.prefill(PROMPT)
     expected = p_prompt_bytes(pd, p_req, PROMPT)
     d_req = pd.d.add(PROMPT, 5, params)

@@ -9,7 +9,7 @@ import pytest
 
 torch: Any = pytest.importorskip("torch")
 
-from kvferry.integrations.vllm_layout import UnsupportedKVCacheError, VllmKVLayout  # noqa: E402
+from kvferry.integrations.vllm_layout import UnsupportedKVCacheError, VllmKVLayout, host_mirror  # noqa: E402
 
 L, B, H, N, C = 3, 5, 4, 4, 8  # layers, blocks, KV heads, tokens per block, K|V content (elements)
 
@@ -130,3 +130,68 @@ def test_a_peer_with_another_layout_is_refused_with_a_reason() -> None:
     assert "differently" in (p.peer_mismatch(VllmKVLayout(layer_views("LHBNC"), B, N).describe()) or "")
     small = {k: v[:, :2] for k, v in layer_views("LBHNC").items()}
     assert "shape" in (p.peer_mismatch(VllmKVLayout(small, B, N).describe()) or "")
+
+
+def filled(caches: dict[str, Any]) -> dict[str, Any]:
+    for view in caches.values():
+        view.normal_()
+    return caches
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LHBNC", "BLHNC"])
+def test_staged_layout_registers_a_mirror_and_copies_exactly_the_named_blocks(layout: str) -> None:
+    caches = filled(layer_views(layout))
+    original = {name: view.clone() for name, view in caches.items()}
+    kv = VllmKVLayout(caches, B, N, staging=True)
+    plain = VllmKVLayout(layer_views(layout), B, N)
+    assert kv.staged and not plain.staged
+    assert [r.length for r in kv.block_runs(3, (0, H))] == [r.length for r in plain.block_runs(3, (0, H))]
+    for region in kv.regions().values():
+        assert not region.any(), "the mirror starts empty: registered memory is not the KV cache"
+    kv.stage_out([3, 1])
+    views = kv.host_tensors()
+    assert all(views[name].data_ptr() != caches[name].data_ptr() for name in caches)
+    for name in caches:
+        assert torch.equal(views[name][[1, 3]], caches[name][[1, 3]])
+        assert not views[name][[0, 2, 4]].any()
+    assert kv.checksum(3, (0, H)) == VllmKVLayout(original, B, N).checksum(3, (0, H))
+
+    for name in caches:  # D: blocks arrive in the mirror, and reach the KV cache only when staged in
+        views[name][2] = 7.0
+    kv.stage_in([2])
+    for name in caches:
+        assert (caches[name][2] == 7.0).all()
+        assert torch.equal(caches[name][[0, 1, 3, 4]], original[name][[0, 1, 3, 4]])
+
+
+def test_staging_respects_kernel_blocks_and_refuses_unknown_blocks() -> None:
+    caches = filled(layer_views("LBNHC", blocks=2 * B))
+    kv = VllmKVLayout(caches, num_blocks=B, block_size=2 * N, staging=True)
+    kv.stage_out([1])
+    region = kv.regions()["layers.0.attn"]
+    for r in kv.block_runs(1, (0, H)):
+        assert region[r.offset : r.end].any()
+    assert not kv.regions()["layers.0.attn"][: kv.block_runs(1, (0, H))[0].offset].any()
+    with pytest.raises(ValueError, match="out of range"):
+        kv.stage_out([B])
+
+
+def test_a_device_cache_with_staging_off_is_refused_with_the_way_out() -> None:
+    caches = {name: view.to("meta") for name, view in layer_views("LBHNC").items()}
+    with pytest.raises(UnsupportedKVCacheError, match="staging"):
+        VllmKVLayout(caches, B, N, staging=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kv_cache_is_staged_through_pinned_host_memory() -> None:
+    p_caches = {name: view.to("cuda").normal_() for name, view in layer_views("LBNHC").items()}
+    d_caches = {name: torch.zeros_like(view) for name, view in p_caches.items()}
+    p, d = VllmKVLayout(p_caches, B, N), VllmKVLayout(d_caches, B, N)
+    assert p.staged and d.staged
+    assert all(region.is_pinned() for region in host_mirror(p_caches).values())
+    p.stage_out([0, 4])
+    for name, src in p.host_tensors().items():
+        d.host_tensors()[name].copy_(src)  # what the transfer engine does between the two mirrors
+    d.stage_in([4])
+    for name in p_caches:
+        assert torch.equal(d_caches[name][4], p_caches[name][4]) and not d_caches[name][0].any()

@@ -245,6 +245,9 @@ class Consumer:
                 self._succeed(pull, resp)
 
     def _succeed(self, pull: PullMeta, resp: PullResponse) -> None:
+        if not self._stage_in(pull.block_ids):
+            self._handle_failed_recv([pull], "transport", "received blocks could not be copied into the KV cache")
+            return
         # Both clocks are time.monotonic() (asyncio's loop.time() is too).
         elapsed = time.monotonic() - self._end(pull)
         nbytes = len(pull.block_ids) * self.layout.block_bytes
@@ -253,6 +256,14 @@ class Consumer:
         self.metrics.kv_transfer_seconds.observe(elapsed)
         if pull.block_ids:  # a release-only pull is not the scheduler's business
             self.outbox.report(pull.request_id)
+
+    def _stage_in(self, block_ids: list[int]) -> bool:
+        try:
+            self.layout.stage_in(block_ids)
+        except Exception:
+            log.exception("copying %d received block(s) into the KV cache failed", len(block_ids))
+            return False
+        return True
 
     # ---- the failure spine ------------------------------------------------------------------------
     def _handle_failed_recv(self, pulls: Iterable[PullMeta], cause: str, message: str) -> None:
@@ -269,6 +280,9 @@ class Consumer:
             log.warning("KV load for %s failed (%s): %s", pull.request_id, cause, message)
             if not pull.block_ids:
                 continue  # release-only pull: the scheduler does not hold this request
+            bad = set(invalid)  # under `recompute` the scheduler keeps the blocks before the first bad one
+            if not self._stage_in([b for b in pull.block_ids if b not in bad]):
+                invalid = list(pull.block_ids)
             self.outbox.report(pull.request_id, invalid, (cause, message))
 
     def _invalid_indices(self, pull: PullMeta) -> list[int]:

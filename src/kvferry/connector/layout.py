@@ -96,6 +96,16 @@ class KVLayout(abc.ABC):
         """This rank's memory for a peer (sent in pulls); None: peers derive it from the block count."""
         return None
 
+    def stage_out(self, block_ids: Sequence[int]) -> None:
+        """P, before it reads blocks for a write: bring them into the registered memory (a no-op when
+        that memory is the KV cache itself; a device-to-host copy when the KV cache is on a device)."""
+        return
+
+    def stage_in(self, block_ids: Sequence[int]) -> None:
+        """D, once blocks were received and verified: move them from the registered memory into the KV
+        cache (a no-op when that memory is the KV cache itself)."""
+        return
+
     def peer_mismatch(self, peer: LayoutDescription) -> str | None:
         """Why a peer's memory cannot take our blocks position for position (None: it can)."""
         ours = self.describe()

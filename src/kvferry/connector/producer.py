@@ -121,6 +121,7 @@ class Producer:
         assert heads is not None
         src = block_ids[: len(pull.block_ids)]
         n = len(src) if num_blocks is None else num_blocks
+        self.layout.stage_out(src)
         ops = write_ops(self.layout, src[:n], pull.block_ids[:n], heads, pull.d_num_blocks, pull.d_layout)
         checksums = [self.layout.checksum(b, heads) for b in src] if pull.want_checksums else []
         return ops, checksums

@@ -82,12 +82,16 @@ class KVFerrySettings:
     transfer: str = "tcp"  # "tcp" (built in) or "mooncake"
     checksums: bool = True
     faults: str = ""  # fault injection spec (tests, chaos); default: env KVFERRY_FAULTS
-    # D: heartbeat period (P's lease on a pulled transfer is 8 periods) and how long P may stay silent
+    # D: heartbeat period (P's lease on a pulled transfer is 7 periods) and how long P may stay silent
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5
+    # Copy KV through a host mirror: "auto" when the KV cache is not in host memory (a GPU), "always"
+    # (host memory too: tests), "never" (a KV cache on a device is refused)
+    staging: str = "auto"
 
     KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
-            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s")
+            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "staging")
+    STAGING = {"auto": None, "always": True, "never": False}
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], default_engine_id: str) -> KVFerrySettings:
@@ -105,7 +109,10 @@ class KVFerrySettings:
             faults=str(extra.get("faults", os.environ.get("KVFERRY_FAULTS", ""))),
             heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 0.25)),
             heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", 1.5)),
+            staging=str(extra.get("staging", "auto")),
         )
+        if settings.staging not in cls.STAGING:
+            raise ValueError(f"staging must be one of {sorted(cls.STAGING)}, not {settings.staging!r}")
         if settings.heartbeat_interval_s <= 0 or settings.heartbeat_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_timeout_s >= 0")
         if settings.transfer not in ("tcp", "mooncake"):
@@ -316,7 +323,7 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ---- worker role ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = int(self._kv_cache_config.num_blocks)
-        self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size)
+        self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging])
         # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
         # CPU worker pins itself to its OMP cores), they would starve behind the model.
         with connector_affinity() as cpus:

@@ -9,14 +9,19 @@ layers that interleave with others (block-outermost layouts) fall back to one re
 A block's byte runs are derived from the strides, so any layout works as long as P and D use the same
 one (same model, same vLLM settings).
 
-Host memory only: the built-in TCP engine reads and writes through the CPU. See docs/vllm.md for GPU
-memory (a pinned staging copy for the TCP engine, or Mooncake TE registering device memory for RDMA).
+KV caches on a device (a GPU) are staged: the layout registers a host mirror shaped, strided and sharing
+storage exactly like the device tensors (pinned when CUDA is up), so every byte run and checksum is the
+same as for host memory. P copies a write's blocks device → mirror just before it reads them
+(`stage_out`: one gather on the device and one copy per layer); D copies received, verified blocks
+mirror → device before the scheduler sees them (`stage_in`). The same code runs on CPU tensors with
+staging forced on (`staging=True`), which is how the tests cover it without a GPU. docs/vllm.md says
+what each copy costs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvferry.connector.layout import KVLayout, LayoutDescription, StridedSegment, strided_block_runs
@@ -34,7 +39,11 @@ class VllmKVLayout(KVLayout):
     whole multiple of it when the attention kernel splits manager blocks into smaller kernel blocks.
     """
 
-    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, staging: bool | None = None
+    ) -> None:
+        """`staging`: None stages when a tensor is not in host memory; True always; False never (a device
+        tensor is then refused)."""
         if not kv_caches:
             raise UnsupportedKVCacheError("no KV cache tensors to register")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -43,7 +52,12 @@ class VllmKVLayout(KVLayout):
         first = next(iter(kv_caches.values()))
         self._ratio = max(1, int(getattr(first, "shape", (num_blocks,))[0]) // max(1, num_blocks))
         self._names = sorted(kv_caches)
-        self._layers = [self._add_layer(name, kv_caches[name]) for name in self._names]
+        on_device = any(getattr(getattr(t, "device", None), "type", "cpu") != "cpu" for t in kv_caches.values())
+        self.staged = on_device if staging is None else staging
+        registered = host_mirror(kv_caches) if self.staged else kv_caches
+        # (KV cache tensor, the host tensor registered for it): the same tensor when not staged.
+        self._pairs = [(kv_caches[name], registered[name]) for name in self._names]
+        self._layers = [self._add_layer(name, registered[name]) for name in self._names]
         heads = {layer.dims[0][0] for layer in self._layers}
         if len(heads) != 1:
             raise UnsupportedKVCacheError(f"layers disagree on the number of KV heads: {sorted(heads)}")
@@ -61,8 +75,8 @@ class VllmKVLayout(KVLayout):
             raise UnsupportedKVCacheError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
         if cache.device.type != "cpu":
             raise UnsupportedKVCacheError(
-                f"{name}: KV cache on {cache.device}; kvferry's TCP engine moves host memory only "
-                "(see docs/vllm.md: staging copy or Mooncake TE for device memory)"
+                f"{name}: KV cache on {cache.device} with staging off; kvferry's transfer engines move "
+                "host memory (staging \"auto\" or \"always\" copies through a host mirror)"
             )
         if cache.dim() < 3:
             raise UnsupportedKVCacheError(f"{name}: expected a [blocks, heads, ...] view, got shape {tuple(cache.shape)}")
@@ -92,6 +106,34 @@ class VllmKVLayout(KVLayout):
     def regions(self) -> dict[str, Any]:
         return dict(self._regions)
 
+    def host_tensors(self) -> dict[str, Any]:
+        """The host tensor registered for each layer: its mirror when staged, else the KV cache itself."""
+        return {name: host for name, (_, host) in zip(self._names, self._pairs, strict=True)}
+
+    def stage_out(self, block_ids: Sequence[int]) -> None:
+        if not self.staged or not block_ids:
+            return
+        index = self._kernel_index(block_ids)
+        for cache, host in self._pairs:
+            host.index_copy_(0, index, cache.index_select(0, index.to(cache.device)).cpu())
+
+    def stage_in(self, block_ids: Sequence[int]) -> None:
+        if not self.staged or not block_ids:
+            return
+        index = self._kernel_index(block_ids)
+        for cache, host in self._pairs:
+            on_device = index.to(cache.device)
+            cache.index_copy_(0, on_device, host.index_select(0, index).to(cache.device))
+
+    def _kernel_index(self, block_ids: Sequence[int]) -> Any:
+        import torch
+
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
+        r = self._ratio
+        return torch.tensor([b * r + k for b in block_ids for k in range(r)], dtype=torch.long)
+
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
@@ -108,3 +150,23 @@ class VllmKVLayout(KVLayout):
         if not 0 <= h0 < h1 <= self.num_kv_heads:
             raise ValueError(f"heads {heads} out of range for {self.num_kv_heads} KV heads")
         return strided_block_runs(self._description, block_id, heads)
+
+
+def host_mirror(kv_caches: Mapping[str, Any]) -> dict[str, Any]:
+    """Host tensors with the shapes, strides and storage sharing of `kv_caches` (tensors that share a
+    device allocation share one host allocation too), pinned when CUDA is up so copies are DMA."""
+    import torch
+
+    pin = torch.cuda.is_available()
+    storages: dict[int, Any] = {}
+    out: dict[str, Any] = {}
+    for name, cache in kv_caches.items():
+        if not isinstance(cache, torch.Tensor):
+            raise UnsupportedKVCacheError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+        storage = cache.untyped_storage()
+        if storage.data_ptr() not in storages:
+            flat = torch.zeros(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            storages[storage.data_ptr()] = flat.untyped_storage()
+        host = torch.empty(0, dtype=cache.dtype)
+        out[name] = host.set_(storages[storage.data_ptr()], cache.storage_offset(), cache.shape, cache.stride())
+    return out
