@@ -17,8 +17,12 @@ from typing import Any
 
 import httpx
 
-# One OpenMP thread per server: fewer threads competing on a 2-core box (docs/vllm.md, "Why the lane is not in CI").
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}
+# One OpenMP thread per server, and the worker inside the engine core process (vLLM's CPU platform uses
+# its uniprocess executor only with VLLM_ENABLE_V1_MULTIPROCESSING=0): a separate worker process spin-waits
+# on shared memory for 1 s after every step, and three servers' spinning starved each other on 2 cores
+# (docs/vllm.md, "The lane on 2 cores").
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 COMMON = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512")
 BLOCK_SIZE = 128  # vLLM's CPU block size
 START_TIMEOUT_S = 300.0  # 33-85 s alone; several servers starting at once on 2 loaded cores take longer
@@ -109,15 +113,16 @@ class Server:
         return total
 
     def worker_pids(self) -> list[int]:
-        """Pids of this server's processes named VLLM::Worker."""
-        pids = []
+        """Pids of the processes that run this server's model: its VLLM::Worker processes, or its engine
+        core when the worker runs inside it (uniprocess executor)."""
+        names: dict[int, str] = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 with contextlib.suppress(OSError):
-                    if os.getpgid(int(entry.name)) == self.pgid and \
-                            (entry / "comm").read_text().strip().startswith("VLLM::Worker"):
-                        pids.append(int(entry.name))
-        return pids
+                    if os.getpgid(int(entry.name)) == self.pgid:
+                        names[int(entry.name)] = (entry / "comm").read_text().strip()
+        workers = [pid for pid, name in names.items() if name.startswith("VLLM::Worker")]
+        return workers or [pid for pid, name in names.items() if name.startswith("VLLM::EngineCor")]
 
 
 def _wait_group_gone(server: Server, timeout: float) -> bool:

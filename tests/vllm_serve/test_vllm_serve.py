@@ -25,7 +25,9 @@ from cluster import (
     transfer_id_where,
     wait_until,
 )
-from servers import BLOCK_SIZE
+from servers import BLOCK_SIZE, kv_config, vllm_server
+
+from kvferry.harness.processes import free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -55,9 +57,6 @@ def test_d_with_another_pool_size_gives_identical_outputs(cluster: Any) -> None:
     assert [tokens(completion(cluster.proxy.url, cluster.model, q)) for q in prompts] == want
 
 
-@pytest.mark.xfail(reason="issue 12.4: on main after the lease rework (132ca09) P kept the blocks of a transfer "
-                          "whose D request vLLM rejected for >10 s (before it: freed within 1 s); root cause open",
-                   strict=False)
 def test_f_a_request_d_rejects_leaves_nothing_held_on_p(cluster: Any) -> None:
     p = cluster.prefill("")
     wait_until(lambda: p.metric("vllm:kv_cache_usage_perc") == 0, 60, "P to hold nothing before the test")
@@ -74,9 +73,16 @@ def test_f_a_request_d_rejects_leaves_nothing_held_on_p(cluster: Any) -> None:
 
 
 def test_connector_threads_are_not_captured_by_vllms_cpu_binding(cluster: Any) -> None:
-    """vLLM's CPU worker binds itself to its OMP cores (default settings); kvferry's threads inside that
-    worker keep the engine core's CPUs (before the fix every worker thread sat on the worker's core)."""
-    for server in (cluster.prefill(""), cluster.d):
+    """vLLM's CPU worker binds itself to its OMP cores (default settings: a worker process); kvferry's
+    threads inside that worker keep the engine core's CPUs (before the fix every worker thread sat on the
+    worker's core). The other lane servers run the worker inside the engine core (servers.py): this one
+    has vLLM's defaults, with P's and D's threads in one worker (kv_both)."""
+    server = vllm_server("default-settings", cluster.model, free_port(), "--num-gpu-blocks-override", str(P_BLOCKS),
+                         "--kv-transfer-config", kv_config("kv_both", engine_id="kvferry-ci-both",
+                                                           bootstrap_port=free_port()),
+                         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    try:
+        server.start().wait_healthy()
         (worker,) = server.worker_pids()
         engine_cpus = os.sched_getaffinity(_parent(worker))
         allowed = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{worker}/task")}
@@ -85,6 +91,8 @@ def test_connector_threads_are_not_captured_by_vllms_cpu_binding(cluster: Any) -
         free = [t for t, cpus in allowed.items() if cpus == engine_cpus]
         # bootstrap server (P), rank loop (P), TCP listener, ZMQ I/O and reaper, consumer loop (D)
         assert len(free) >= 3, f"{server.name}: worker bound to {sorted(allowed[worker])}, threads: {allowed}"
+    finally:
+        server.stop()
 
 
 def _parent(pid: int) -> int:
