@@ -17,8 +17,9 @@ on whether p is a prompt position or a generated one (`prompt_len`):
     keys after the chunk's last position are zero and masked, so stale cache contents never matter.
 So the K/V written and the logits are the same bits whether a prompt is run in one call, split at any
 position, continued from K/V copied in from elsewhere, decoded token by token, recomputed after a
-preemption, or interleaved with other sequences (one call per sequence). This holds for one CPU type, numpy/OpenBLAS build and BLAS
-thread count: OpenBLAS splits a matmul differently with a different OPENBLAS_NUM_THREADS.
+preemption, or interleaved with other sequences (one call per sequence). This holds for one CPU type,
+numpy/OpenBLAS build and BLAS thread count: OpenBLAS splits a matmul differently with a different
+OPENBLAS_NUM_THREADS.
 """
 
 from __future__ import annotations
