@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,6 +14,7 @@ from servers import Server, kv_config, proxy_server, vllm_server
 
 from kvferry.connector.faults import FaultSpec
 from kvferry.harness.processes import free_port
+from procs import wait_until as _wait_until
 
 P_BLOCKS, D_BLOCKS = 16, 40  # different pool sizes on purpose (issue 12.1)
 ABORT_TIMEOUT_S = 6.0  # the restarted P of the fault tests: (b) fails within it
@@ -130,14 +130,7 @@ def transfer_id_where(fault: str | None, spec: str = FAULTS) -> str:
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+    return _wait_until(predicate, timeout, what, interval=0.05)  # the predicates read /metrics: 20 a second is plenty
 
 
 def in_background(fn: Any, *args: Any, **kwargs: Any) -> Any:
