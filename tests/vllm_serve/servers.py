@@ -17,12 +17,8 @@ from typing import Any
 
 import httpx
 
-# One OpenMP thread per server, and the worker inside the engine core process (vLLM's CPU platform uses
-# its uniprocess executor only with VLLM_ENABLE_V1_MULTIPROCESSING=0): a separate worker process spin-waits
-# on shared memory for 1 s after every step, and three servers' spinning starved each other on 2 cores
-# (docs/vllm.md, "The lane on 2 cores").
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+from kvferry.bench.vllm import VLLM_CPU_ENV  # one OpenMP thread; the worker inside the engine core
+
 COMMON = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512")
 BLOCK_SIZE = 128  # vLLM's CPU block size
 START_TIMEOUT_S = 300.0  # 33-85 s alone; several servers starting at once on 2 loaded cores take longer
@@ -45,7 +41,7 @@ class Server:
     def start(self) -> Server:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **VLLM_ENV, **self.env}, start_new_session=True)
+                                          env={**os.environ, **VLLM_CPU_ENV, **self.env}, start_new_session=True)
         return self
 
     @property

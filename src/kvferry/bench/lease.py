@@ -1,8 +1,9 @@
 """`kvferry bench lease`: how long P holds a prefill's blocks after the D pulling them dies or hangs.
 
 For each repetition P prefills a request and D pulls it while P sits on the write (`slow` fault, a
-write that D's lease can cancel like a real one); then D gets `kill -9` or SIGSTOP (at a random phase of its heartbeats), and we time until
-P's block pool is whole again (`/debug/state`: blocks_free == blocks_total). D stops heartbeating, so
+write that D's lease can cancel like a real one); then D gets `kill -9` or SIGSTOP (at a random phase of
+its heartbeats), and we time until P's block pool is whole again (`/debug/state`: blocks_free ==
+blocks_total). D stops heartbeating, so
 its lease (7 × 0.25 s) runs out, P cancels the writes to it and frees the blocks; the abort timeout
 (30 s here) no longer matters. D is restarted after each repetition.
 """

@@ -36,8 +36,12 @@ from kvferry.harness.processes import free_port
 from kvferry.transfer.netns import loopback_up, unshare_prefix
 
 LOOPBACK = "127.0.0.1"
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
-       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# How vllm-cpu servers run here (the CI lane uses this too): one OpenMP thread each, and the worker inside
+# the engine core process (vLLM's CPU platform keeps its uniprocess executor for one worker only with
+# VLLM_ENABLE_V1_MULTIPROCESSING=0). A separate worker process spin-waits on shared memory for 1 s after
+# every step, and several servers' spinning starved each other on 2 cores (docs/vllm.md).
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 COMMON = ["--host", LOOPBACK, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
 KILL_WAIT_CAP_S = 60.0  # MooncakeConnector's own timeouts are 480 s + 60 s: we stop waiting here
 _IN_NETNS = "KVFERRY_BENCH_NETNS"
@@ -57,7 +61,7 @@ class _Group:
         self.log = Path(tempfile.mkstemp(prefix=f"kvferry-bench-{name}-", suffix=".log")[1])
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **ENV, **(env or {})}, start_new_session=True)
+                                          env={**os.environ, **VLLM_CPU_ENV, **(env or {})}, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -129,7 +133,8 @@ def _kill_to_error(url: str, model: str, p: _Group, prompt: str) -> tuple[float 
 
     def send() -> None:
         try:
-            result["answer"] = f"HTTP {httpx.post(f'{url}/v1/completions', json=body, timeout=KILL_WAIT_CAP_S + 30).status_code}"
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=KILL_WAIT_CAP_S + 30)
+            result["answer"] = f"HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             result["answer"] = type(exc).__name__
         result["done"] = time.monotonic()

@@ -122,8 +122,7 @@ class VllmKVLayout(KVLayout):
             return
         index = self._kernel_index(block_ids)
         for cache, host in self._pairs:
-            on_device = index.to(cache.device)
-            cache.index_copy_(0, on_device, host.index_select(0, index).to(cache.device))
+            cache.index_copy_(0, index.to(cache.device), host.index_select(0, index).to(cache.device))
 
     def _kernel_index(self, block_ids: Sequence[int]) -> Any:
         import torch
