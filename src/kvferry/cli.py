@@ -9,7 +9,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvferry.connector.auth import deployment_secret
 from kvferry.connector.base import ConnectorRole, KVConnector
+from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.pd import PDConfig, PDConnector
@@ -48,7 +50,34 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--heartbeat-timeout", type=float, default=1.5, help="P silent this long = dead; 0 = off")
     p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
     p.add_argument("--engine-id", default=None, help="default: <role>-<host>:<port>")
+    p.add_argument("--prefill-allow", action="append", default=None, metavar="HOST_OR_CIDR",
+                   help="decode: hosts whose bootstrap servers D may pull from (repeatable; default loopback)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without KVFERRY_SECRET (anyone who reaches a port is trusted)")
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _check_exposure(args: argparse.Namespace) -> bool:
+    """No secret, no network: a non-loopback listener without KVFERRY_SECRET needs --insecure."""
+    if _loopback(args.host) or deployment_secret() is not None:
+        return True
+    if not args.insecure:
+        print(f"kvferry serve: --host {args.host} is reachable from other machines, and KVFERRY_SECRET is not "
+              "set: anyone who reaches a port could read prompts and forge answers. Set KVFERRY_SECRET on every "
+              "P and D (docs/security.md), or pass --insecure on an isolated network.", file=sys.stderr)
+        return False
+    print(f"kvferry serve: WARNING: --insecure: listening on {args.host} without KVFERRY_SECRET; control and data "
+          "planes are unauthenticated", file=sys.stderr, flush=True)
+    return True
 
 
 def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -137,6 +166,13 @@ def serve(args: argparse.Namespace) -> int:
     from kvferry.serving.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _check_exposure(args):
+        return 2
+    try:
+        allow = PrefillAllowList(args.prefill_allow or LOOPBACK)
+    except ValueError as exc:
+        print(f"kvferry serve: {exc}", file=sys.stderr)
+        return 2
     engine_id = args.engine_id or f"{args.role}-{args.host}:{args.port}"
     try:
         faults = FaultSpec.parse(args.faults)
@@ -170,6 +206,7 @@ def serve(args: argparse.Namespace) -> int:
             checksums=not args.no_checksums,
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            prefill_allow=tuple(allow.entries),
         )
         scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)
         worker_connector = PDConnector(ConnectorRole.WORKER, pd_config, metrics)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvferry.connector.auth import TO_DECODE, TO_PREFILL, Opener, Sealer
 from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.consumer import Consumer
@@ -38,6 +39,7 @@ class FakePRank:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.layout = PagedKVLayout(SPEC, kv)
+        self.sealer, self.opener = Sealer(None, TO_DECODE), Opener(None, TO_PREFILL)
         self.engine = TcpTransferEngine()
         for name, buf in self.layout.regions().items():
             self.engine.register(name, buf)
@@ -45,7 +47,7 @@ class FakePRank:
     def recv(self, timeout: float = 10.0) -> tuple[bytes, Any]:
         assert self.sock.poll(int(timeout * 1000)), "no message from D"
         identity, data = self.sock.recv_multipart()
-        return identity, decode_inbound(data)
+        return identity, decode_inbound(self.opener.open(data))
 
     def recv_pull(self) -> tuple[bytes, PullRequest]:
         identity, msg = self.recv()
@@ -68,7 +70,7 @@ class FakePRank:
 
     def reply(self, identity: bytes, pull: PullRequest, status: Status, **kw: Any) -> None:
         resp = PullResponse(status, pull.d_request_id, pull.transfer_id, **kw)
-        self.sock.send_multipart([identity, encode(resp)])
+        self.sock.send_multipart([identity, self.sealer.seal(encode(resp))])
 
     def close(self) -> None:
         self.sock.close(0)

@@ -13,11 +13,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from sealed import Sealed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.connector.base import KVCacheSpec
-from kvferry.connector.bootstrap import BootstrapServer
+from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import PagedKVLayout
 from kvferry.connector.messages import MAX_FRAME_BYTES, PullRequest, Release, Status, decode_response, encode
@@ -41,8 +42,9 @@ class Rig:
         self.d_engine = TcpTransferEngine()
         self.d_engine.register("kv", self.d_kv)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        raw = self.ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        self.sock = Sealed(raw)
         self.sock.connect(self.producer.control_addrs[0])
 
     def ask(self, data: bytes | list[bytes], timeout: float = 5.0) -> Any:
@@ -220,19 +222,19 @@ def test_write_outside_grant_is_rejected_by_d() -> None:
         r.close()
 
 
-def test_bootstrap_rejects_bad_registrations_and_queries() -> None:
+def test_bootstrap_has_no_registration_route_and_rejects_bad_queries() -> None:
     server = BootstrapServer("127.0.0.1", free_port())
     server.start()
     try:
         base = f"http://127.0.0.1:{server.port}"
-        assert httpx.post(f"{base}/register", json={"engine_id": 1}).status_code in (400, 422)
-        assert httpx.post(f"{base}/register", content=b"{{{", headers={"content-type": "application/json"}).status_code in (400, 422)
-        bad_rank = {"engine_id": "e", "tp_size": 1, "tp_rank": 4, "control_addr": "tcp://x:1"}
-        assert httpx.post(f"{base}/register", json=bad_rank).status_code == 400
+        ok = {"engine_id": "e", "tp_size": 1, "tp_rank": 0, "control_addr": "tcp://127.0.0.1:1"}
+        # Ranks register in-process: a stranger cannot point D at its own control address.
+        assert httpx.post(f"{base}/register", json=ok).status_code in (404, 405)
         assert httpx.get(f"{base}/query").json() == {}  # no engine has registered yet
         assert httpx.get(f"{base}/query", params={"engine_id": "nobody"}).status_code == 404
-        ok = {"engine_id": "e", "tp_size": 1, "tp_rank": 0, "control_addr": "tcp://127.0.0.1:1"}
-        assert httpx.post(f"{base}/register", json=ok).status_code == 200
+        with pytest.raises(ValueError):
+            server.register(Registration("e", 1, 4, "tcp://x:1"))
+        server.register(Registration(**ok))  # type: ignore[arg-type]
         assert httpx.get(f"{base}/query", params={"engine_id": "e"}).json()["tp_size"] == 1
         # Without engine_id (vllm-router's Mooncake mode, sglang's D): engines by data-parallel rank.
         assert httpx.get(f"{base}/query").json()["0"]["engine_id"] == "e"

@@ -94,6 +94,10 @@ class KVCacheSpec:
         return runs
 
 
+class AdmissionError(ValueError):
+    """A request this instance refuses at admission (the API answers 400 with the message)."""
+
+
 class ConnectorMetadata:
     """Scheduler → worker message built once per step; each connector subclasses it."""
 
@@ -117,6 +121,16 @@ class KVConnector(abc.ABC):
 
     def on_request_added(self, request: RequestLike) -> None:  # noqa: B027 - optional
         """A request entered the scheduler (queued). P uses it to know which transfers are coming."""
+
+    def claim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:  # noqa: B027
+        """At admission, before the engine sees the request (any thread): raise AdmissionError when this
+        instance must refuse it (a transfer_id in use, a prefill host D may not pull from)."""
+
+    def unclaim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:  # noqa: B027
+        """A claimed request never reached the engine."""
+
+    def transfers_ended(self, request_ids: set[str]) -> None:  # noqa: B027 - optional
+        """The worker reported these requests' delayed frees done (`finished_sending`)."""
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata: ...

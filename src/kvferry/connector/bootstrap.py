@@ -1,16 +1,28 @@
-"""Bootstrap: an HTTP server on P where each P rank registers its control address, and the client D
-uses to map `remote_engine_id` → rank addresses (cached)."""
+"""Bootstrap: an HTTP server on P that maps `remote_engine_id` → its ranks' control addresses, and the
+client D uses to ask it (cached).
+
+P's ranks register in-process: no HTTP route changes what the server answers. With a deployment
+secret every answer carries a MAC over D's nonce and the answer, so D cannot be pointed at a fake P,
+nor handed an old answer. D asks only bootstrap servers its allow-list names (`PrefillAllowList`) and
+never repeats what a server said in its own errors.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
+import os
 import threading
 import time
+from collections.abc import Sequence
 
 import httpx
 import msgspec
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
+from kvferry.connector.auth import derive
 from kvferry.connector.faults import FaultSpec
 
 
@@ -39,10 +51,17 @@ class BootstrapError(Exception):
     pass
 
 
+def answer_mac(secret: bytes, nonce: str, info: EngineInfo) -> str:
+    """Binds an answer to D's question (its nonce) and to the engine's ranks, under the secret."""
+    body = nonce.encode() + b"\0" + msgspec.msgpack.encode(info)
+    return hmac.new(derive(secret, "bootstrap"), body, hashlib.sha256).hexdigest()
+
+
 class BootstrapServer:
-    def __init__(self, host: str, port: int, faults: FaultSpec | None = None) -> None:
+    def __init__(self, host: str, port: int, faults: FaultSpec | None = None, secret: bytes | None = None) -> None:
         self.host, self.port = host, port
         self.faults = faults or FaultSpec()
+        self._secret = secret
         self._engines: dict[str, dict[int, Registration]] = {}
         self._lock = threading.Lock()
         self._server: uvicorn.Server | None = None
@@ -74,16 +93,10 @@ class BootstrapServer:
     def app(self) -> FastAPI:
         app = FastAPI(title="kvferry bootstrap")
 
-        @app.post("/register")
-        async def register(body: dict[str, object]) -> dict[str, str]:
-            try:
-                self.register(msgspec.convert(body, Registration))
-            except (msgspec.ValidationError, ValueError) as exc:
-                raise HTTPException(400, str(exc)) from exc
-            return {"status": "ok"}
-
         @app.get("/query")
-        async def query(engine_id: str | None = None, transfer_id: str | None = None) -> dict[str, object]:
+        async def query(
+            engine_id: str | None = None, transfer_id: str | None = None, nonce: str = ""
+        ) -> dict[str, object]:
             if transfer_id and self.faults.fault_for(transfer_id) == "bootstrap":
                 raise HTTPException(503, "injected bootstrap fault")
             if engine_id is None:
@@ -92,8 +105,11 @@ class BootstrapServer:
                 return {str(dp_rank): msgspec.to_builtins(info) for dp_rank, info in enumerate(self.engines())}
             info = self.lookup(engine_id)
             if info is None:
-                raise HTTPException(404, f"unknown engine {engine_id!r}")
-            return msgspec.to_builtins(info)  # type: ignore[no-any-return]
+                raise HTTPException(404, "unknown engine")
+            answer: dict[str, object] = msgspec.to_builtins(info)
+            if self._secret is not None:
+                answer["mac"] = answer_mac(self._secret, nonce[:64], info)
+            return answer
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -120,7 +136,8 @@ class BootstrapServer:
 
 
 class BootstrapClient:
-    def __init__(self, timeout_s: float = 2.0) -> None:
+    def __init__(self, timeout_s: float = 2.0, secret: bytes | None = None) -> None:
+        self._secret = secret
         self._http = httpx.Client(timeout=timeout_s)
         self._cache: dict[tuple[str, str], EngineInfo] = {}
         self._lock = threading.Lock()
@@ -132,17 +149,29 @@ class BootstrapClient:
                 cached = self._cache.get(key)
             if cached is not None:
                 return cached
-        params = {"engine_id": engine_id, **({"transfer_id": transfer_id} if transfer_id else {})}
+        nonce = os.urandom(16).hex()
+        params = {"engine_id": engine_id, "nonce": nonce, **({"transfer_id": transfer_id} if transfer_id else {})}
         try:
             r = self._http.get(f"http://{bootstrap_addr}/query", params=params)
         except httpx.HTTPError as exc:
-            raise BootstrapError(f"bootstrap server {bootstrap_addr} unreachable: {exc!r}") from exc
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} unreachable: {type(exc).__name__}") from exc
+        # Never the body: whatever answers at that address must not get its words into our errors.
+        if r.status_code == 404:
+            raise BootstrapError(f"bootstrap server {bootstrap_addr}: unknown engine {engine_id[:100]!r} (HTTP 404)")
         if r.status_code != 200:
-            raise BootstrapError(f"bootstrap server {bootstrap_addr} answered {r.status_code}: {r.text[:200]}")
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} answered HTTP {r.status_code}")
         try:
-            info = msgspec.convert(r.json(), EngineInfo)
+            body = r.json()
+            mac = body.pop("mac", "") if isinstance(body, dict) else ""
+            info = msgspec.convert(body, EngineInfo)
         except (ValueError, msgspec.ValidationError) as exc:
-            raise BootstrapError(f"bootstrap server {bootstrap_addr} sent a malformed answer: {exc}") from exc
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} sent a malformed answer") from exc
+        if info.engine_id != engine_id:
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} answered for another engine")
+        if self._secret is not None and not (
+            isinstance(mac, str) and hmac.compare_digest(mac, answer_mac(self._secret, nonce, info))
+        ):
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} did not prove it knows the secret")
         with self._lock:
             self._cache[key] = info
         return info
@@ -158,3 +187,38 @@ class BootstrapClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+LOOPBACK = ("127.0.0.0/8", "::1/128", "localhost")
+
+
+class PrefillAllowList:
+    """The prefill instances D may pull from, by host: IP networks (CIDR) and host names. A request
+    naming any other bootstrap server is refused before D asks it anything or holds a block."""
+
+    def __init__(self, entries: Sequence[str] = LOOPBACK) -> None:
+        self.entries = list(entries)
+        self._networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        self._names: set[str] = set()
+        for entry in entries:
+            try:
+                self._networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                if not entry or not all(c.isalnum() or c in "-." for c in entry):
+                    raise ValueError(f"--prefill-allow: {entry!r} is neither a host name nor an IP network") from None
+                self._names.add(entry.lower())
+
+    def allows(self, host: str) -> bool:
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host.lower() in self._names
+        return any(ip in net for net in self._networks)
+
+    def check(self, bootstrap_addr: str) -> None:
+        host = bootstrap_addr.rpartition(":")[0]
+        if not self.allows(host):
+            raise ValueError(
+                f"remote_bootstrap_addr {bootstrap_addr[:100]!r} is not an allowed prefill host (--prefill-allow)"
+            )

@@ -34,7 +34,7 @@ class PullTooLarge(ValueError):
 
 
 # Causes P may name in an ERROR reply; anything else is reported as `error_reply`.
-P_CAUSES = frozenset({"error_reply", "transport", "expired"})
+P_CAUSES = frozenset({"error_reply", "transport", "expired", "prompt_mismatch"})
 
 
 class Consumer:
@@ -177,6 +177,7 @@ class Consumer:
                 lease_s=self.config.lease_s,
                 want_checksums=self.config.checksums,
                 d_layout=self.layout.describe(),
+                prompt_digest=pull.spec.prompt_digest,
             )
             data = encode(request)
             if len(data) > MAX_MESSAGE_BYTES:  # P would refuse it; a huge frame would cost every pull
@@ -367,7 +368,8 @@ class Consumer:
         dealer = self._dealers.get((d_rank, addr))
         if dealer is None:
             dealer = Dealer(self._ctx, addr, self._on_peer_dead, self.config.liveness,
-                            self.metrics.heartbeat_rtt_seconds.observe)
+                            self.metrics.heartbeat_rtt_seconds.observe, self.config.secret,
+                            self.metrics.control_auth_failures.labels(side="decode").inc)
             self._dealers[(d_rank, addr)] = dealer
         return dealer
 

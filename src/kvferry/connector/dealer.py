@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer
 from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,
@@ -35,10 +36,14 @@ OnDead = Callable[[list[str], str], None]
 
 class Dealer:
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, on_dead: OnDead, watch_connection: bool,
-                 on_rtt: Callable[[float], None] | None = None) -> None:
+                 on_rtt: Callable[[float], None] | None = None, secret: bytes | None = None,
+                 on_forged: Callable[[], None] | None = None) -> None:
         self.addr = addr
         self.on_dead = on_dead
         self.on_rtt = on_rtt
+        self.on_forged = on_forged
+        self._sealer = Sealer(secret, TO_PREFILL)
+        self._opener = Opener(secret, TO_DECODE)
         # Send times of heartbeats not yet acked: P answers them in order on this one connection.
         self._pings: deque[float] = deque(maxlen=64)
         self.sock = ctx.socket(zmq.DEALER)
@@ -70,7 +75,7 @@ class Dealer:
     def send_raw(self, data: bytes) -> None:
         self.last_used = asyncio.get_running_loop().time()
         try:
-            self.sock.send(data, zmq.NOBLOCK)
+            self.sock.send(self._sealer.seal(data), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("control message to %s dropped: %s", self.addr, exc)
 
@@ -104,13 +109,16 @@ class Dealer:
 
     async def _read(self) -> None:
         while True:
-            data = await self.sock.recv()
-            self.last_seen = asyncio.get_running_loop().time()
+            sealed = await self.sock.recv()
             try:
-                message = decode_response(data)
-            except MessageError as exc:
-                log.warning("malformed reply from %s ignored: %s", self.addr, exc)
+                message = decode_response(self._opener.open(sealed))
+            except (AuthError, MessageError) as exc:
+                # Not P's (or not sealed with our secret): it proves nothing about P's liveness either.
+                log.warning("reply from %s dropped: %s", self.addr, exc)
+                if self.on_forged is not None and isinstance(exc, AuthError):
+                    self.on_forged()
                 continue
+            self.last_seen = asyncio.get_running_loop().time()
             if isinstance(message, HeartbeatAck):
                 if self._pings and self.on_rtt is not None:
                     self.on_rtt(self.last_seen - self._pings.popleft())

@@ -37,9 +37,11 @@ class PullRequest(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
     d_tp_size: int
     d_tp_rank: int
     num_tokens: int  # prompt tokens D expects to receive
-    lease_s: float = 0.0  # 0 = P's default lease
+    lease_s: float = 0.0  # 0 = P's default lease (P clamps any other value to its abort timeout)
     want_checksums: bool = True
     d_layout: LayoutDescription | None = None  # D's own memory (bases, strides), when its layout has one
+    # D's prompt, chained per block (`auth.prompt_digest`): P writes only KV of the prompt D decodes.
+    prompt_digest: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="hb", forbid_unknown_fields=True):

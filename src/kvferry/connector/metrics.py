@@ -59,6 +59,15 @@ class Metrics:
             "kvferry_producer_errors", "Unexpected errors P's rank loops survived (each cost one message)",
             registry=r,
         )
+        self.duplicate_transfer_ids = Counter(
+            "kvferry_duplicate_transfer_ids", "P requests refused because their transfer_id was in use",
+            registry=r,
+        )
+        self.control_auth_failures = Counter(
+            "kvferry_control_auth_failures",
+            "Control messages dropped: not sealed with this deployment's secret, replayed or malformed",
+            ["side"], registry=r,
+        )
         self.unknown_connector_ids = Counter(
             "kvferry_unknown_connector_ids", "Finished ids from the connector that the scheduler did not hold",
             registry=r,

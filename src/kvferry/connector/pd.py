@@ -6,13 +6,16 @@ different processes. kv_transfer_params use the names of vLLM's Mooncake proxy (
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from kvferry.connector.auth import deployment_secret, prompt_digest
 from kvferry.connector.base import (
+    AdmissionError,
     ConnectorMetadata,
     ConnectorRole,
     KVCacheSpec,
@@ -20,7 +23,13 @@ from kvferry.connector.base import (
     RequestLike,
     SchedulerOutputLike,
 )
-from kvferry.connector.bootstrap import BootstrapServer, Registration
+from kvferry.connector.bootstrap import (
+    LOOPBACK,
+    BootstrapClient,
+    BootstrapServer,
+    PrefillAllowList,
+    Registration,
+)
 from kvferry.connector.consumer import Consumer
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, PagedKVLayout
@@ -45,6 +54,9 @@ class PDConfig:
     faults: FaultSpec = field(default_factory=FaultSpec)
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5  # 0: no heartbeats and no connection watch (timeouts only)
+    # Seals control messages and bootstrap answers, keys the data plane (docs/security.md).
+    secret: bytes | None = field(default_factory=deployment_secret, repr=False, compare=False)
+    prefill_allow: tuple[str, ...] = LOOPBACK  # decode: the hosts whose bootstrap servers D may ask
 
     @property
     def recv_timeout_s(self) -> float:
@@ -58,13 +70,15 @@ class SendSpec:
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    prompt_digest: str = ""
 
 
 @dataclass
 class PDMetadata(ConnectorMetadata):
-    working: list[str] = field(default_factory=list)  # transfers P queued: their KV is coming
+    # (transfer_id, P request id) of requests P queued: their KV is coming
+    working: list[tuple[str, str]] = field(default_factory=list)
     to_send: list[SendSpec] = field(default_factory=list)
-    dead_transfers: list[str] = field(default_factory=list)
+    dead_transfers: list[tuple[str, str]] = field(default_factory=list)
     to_pull: list[PullSpec] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
 
@@ -94,11 +108,18 @@ class PDConnector(KVConnector):
         self.config = config
         self.metrics = metrics or Metrics()
         # scheduler role
-        self._working: list[str] = []
+        self._working: list[tuple[str, str]] = []
         self._to_send: list[SendSpec] = []
-        self._dead: list[str] = []
+        self._dead: list[tuple[str, str]] = []
         self._to_pull: list[PullSpec] = []
         self._pulling: set[str] = set()
+        self._allow = PrefillAllowList(config.prefill_allow)
+        # P: transfer_id → the request that owns it, from admission until its blocks are freed; HTTP
+        # handlers claim, the engine thread releases.
+        self._claims: dict[str, str] = {}
+        self._claims_lock = threading.Lock()
+        self._lent: dict[str, str] = {}  # P request id → transfer id, while its blocks wait for D
+        self._duplicates: set[str] = set()  # P requests that came under a live transfer_id
         # worker role
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
@@ -129,6 +150,7 @@ class PDConnector(KVConnector):
 
     def _pull_spec(self, request: RequestLike, block_ids: list[int]) -> PullSpec:
         params = request.kv_transfer_params or {}
+        digest = self._digest(request) if block_ids else ""
         return PullSpec(
             request.request_id,
             str(params["transfer_id"]),
@@ -136,12 +158,56 @@ class PDConnector(KVConnector):
             str(params["remote_engine_id"]),
             str(params["remote_bootstrap_addr"]),
             request.num_prompt_tokens,
+            digest,
         )
+
+    def _digest(self, request: RequestLike) -> str:
+        return prompt_digest(list(request.prompt_token_ids), self.config.block_size, self.config.secret)
+
+    def claim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
+        params = kv_transfer_params or {}
+        if self.is_decode:
+            if params.get("do_remote_prefill"):
+                try:
+                    self._allow.check(str(params.get("remote_bootstrap_addr", "")))
+                except ValueError as exc:
+                    raise AdmissionError(str(exc)) from None
+            return
+        transfer_id = params.get("transfer_id")
+        if params.get("do_remote_decode") and isinstance(transfer_id, str):
+            with self._claims_lock:
+                owner = self._claims.setdefault(transfer_id, request_id)
+            if owner != request_id:
+                self.metrics.duplicate_transfer_ids.inc()
+                raise AdmissionError(f"transfer_id in use: {transfer_id[:100]!r} is live on this prefill instance")
+
+    def unclaim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
+        transfer_id = (kv_transfer_params or {}).get("transfer_id")
+        if isinstance(transfer_id, str):
+            self._release_claim(transfer_id, request_id)
+
+    def _release_claim(self, transfer_id: str, request_id: str) -> None:
+        with self._claims_lock:
+            if self._claims.get(transfer_id) == request_id:
+                del self._claims[transfer_id]
+
+    def transfers_ended(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            transfer_id = self._lent.pop(request_id, None)
+            if transfer_id is not None:
+                self._release_claim(transfer_id, request_id)
 
     def on_request_added(self, request: RequestLike) -> None:
         params = request.kv_transfer_params or {}
-        if not self.is_decode and params.get("do_remote_decode") and isinstance(params.get("transfer_id"), str):
-            self._working.append(params["transfer_id"])
+        transfer_id = params.get("transfer_id")
+        if self.is_decode or not params.get("do_remote_decode") or not isinstance(transfer_id, str):
+            return
+        try:
+            self.claim(request.request_id, params)  # already claimed at admission on the HTTP path
+        except AdmissionError:
+            self._duplicates.add(request.request_id)  # served, but never in the first one's place
+            return
+        self._working.append((transfer_id, request.request_id))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
         meta = PDMetadata(self._working, self._to_send, self._dead, self._to_pull,
@@ -160,10 +226,16 @@ class PDConnector(KVConnector):
         if not params.get("do_remote_decode"):
             return False, None
         transfer_id = str(params["transfer_id"])
-        if request.finish_reason not in ("stop", "length") or not block_ids:
-            self._dead.append(transfer_id)
+        if request.request_id in self._duplicates:
+            self._duplicates.discard(request.request_id)
             return False, None
-        self._to_send.append(SendSpec(transfer_id, request.request_id, list(block_ids), request.num_prompt_tokens))
+        if request.finish_reason not in ("stop", "length") or not block_ids:
+            self._dead.append((transfer_id, request.request_id))
+            self._release_claim(transfer_id, request.request_id)
+            return False, None
+        self._lent[request.request_id] = transfer_id
+        self._to_send.append(SendSpec(transfer_id, request.request_id, list(block_ids), request.num_prompt_tokens,
+                                      self._digest(request)))
         return True, {
             "do_remote_prefill": True,
             "transfer_id": transfer_id,
@@ -187,14 +259,17 @@ class PDConnector(KVConnector):
                 self.config.faults,
                 self.config.heartbeat_interval_s,
                 self.config.heartbeat_timeout_s,
+                secret=self.config.secret,
             )
-            self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics)
+            bootstrap = BootstrapClient(secret=self.config.secret)
+            self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics, bootstrap)
             return
         self.producer = Producer(
             layout, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
-            self.config.faults, self.metrics,
+            self.config.faults, self.metrics, self.config.secret,
         )
-        self.bootstrap_server = BootstrapServer(self.config.host, self.config.bootstrap_port, self.config.faults)
+        self.bootstrap_server = BootstrapServer(self.config.host, self.config.bootstrap_port, self.config.faults,
+                                                self.config.secret)
         for rank, addr in enumerate(self.producer.control_addrs):
             self.bootstrap_server.register(Registration(self.config.engine_id, self.config.tp_size, rank, addr))
         self.bootstrap_server.start()
@@ -206,18 +281,19 @@ class PDConnector(KVConnector):
             return MooncakeTransferEngine(self.config.host)
         from kvferry.transfer.tcp import TcpTransferEngine
 
-        return TcpTransferEngine(self.config.host)
+        return TcpTransferEngine(self.config.host, secret=self.config.secret or b"")
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, PDMetadata)
         if self.producer is not None:
             self.producer.step_started()
-            for transfer_id in metadata.working:  # before to_send: a request may end in its first step
-                self.producer.add_working(transfer_id)
+            for transfer_id, request_id in metadata.working:  # before to_send: it may end in its first step
+                self.producer.add_working(transfer_id, request_id)
             for send in metadata.to_send:
-                self.producer.add_ready(send.transfer_id, send.request_id, send.block_ids, send.num_tokens)
-            for transfer_id in metadata.dead_transfers:
-                self.producer.add_dead(transfer_id)
+                self.producer.add_ready(send.transfer_id, send.request_id, send.block_ids, send.num_tokens,
+                                        send.prompt_digest)
+            for transfer_id, request_id in metadata.dead_transfers:
+                self.producer.add_dead(transfer_id, request_id)
         if self.consumer is not None:
             self.consumer.start_pulls(metadata.to_pull)
             # A request that ended before admission shows up here too, with its release-only pull.

@@ -39,8 +39,10 @@ class Producer:
         abort_timeout_s: float,
         faults: FaultSpec,
         metrics: Metrics,
+        secret: bytes | None = None,
     ) -> None:
         self.layout = layout
+        self.secret = secret  # seals every control message (connector/auth.py); None: loopback only
         self.tp_size = len(engines)
         self.engines = engines
         self.abort_timeout_s = abort_timeout_s
@@ -73,17 +75,18 @@ class Producer:
     def in_step(self) -> bool:
         return self._in_step
 
-    def add_working(self, transfer_id: str) -> None:
+    def add_working(self, transfer_id: str, request_id: str) -> None:
         """P queued the request: pulls for it wait for the prefill, however long it takes."""
-        self.table.add_working(transfer_id)
+        self.table.add_working(transfer_id, request_id)
 
-    def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int) -> None:
-        self.table.add_ready(transfer_id, request_id, block_ids, num_tokens, time.monotonic())
+    def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int,
+                  prompt_digest: str = "") -> None:
+        self.table.add_ready(transfer_id, request_id, block_ids, num_tokens, time.monotonic(), prompt_digest)
         self._wake_all()
 
-    def add_dead(self, transfer_id: str) -> None:
+    def add_dead(self, transfer_id: str, request_id: str) -> None:
         """The P request ended without KV: answer any pull for it with ERROR."""
-        self.table.add_dead(transfer_id, time.monotonic())
+        self.table.add_dead(transfer_id, request_id, time.monotonic())
         self._wake_all()
 
     def drain_finished(self) -> set[str]:

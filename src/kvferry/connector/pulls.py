@@ -25,6 +25,7 @@ class PullSpec:
     engine_id: str
     bootstrap_addr: str
     num_tokens: int
+    prompt_digest: str = ""  # auth.prompt_digest of D's prompt: P checks it names what it computed
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ConsumerConfig:
     # A DEALER no pull uses is closed after this (at once when its connection is gone), so D holds
     # sockets only for live P ranks however often P restarts on new ports.
     dealer_idle_s: float = 10.0
+    secret: bytes | None = field(default=None, repr=False)  # seals control messages (auth.py)
 
     @property
     def liveness(self) -> bool:

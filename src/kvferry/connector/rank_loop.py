@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import logging
 import socket
 import threading
@@ -20,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
+from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer
 from kvferry.connector.layout import overlap
 from kvferry.connector.messages import (
     MAX_FRAME_BYTES,
@@ -73,6 +76,8 @@ class RankLoop(threading.Thread):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._outbox: deque[tuple[bytes, PullResponse | HeartbeatAck]] = deque()
+        self._sealer = Sealer(producer.secret, TO_DECODE)
+        self._opener = Opener(producer.secret, TO_PREFILL)
         self._parked: list[Parked] = []
 
     def wake(self) -> None:
@@ -128,7 +133,7 @@ class RankLoop(threading.Thread):
             self._guard("reply", functools.partial(self._send, identity, message))
 
     def _send(self, identity: bytes, message: PullResponse | HeartbeatAck) -> None:
-        self.sock.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+        self.sock.send_multipart([identity, self._sealer.seal(encode(message))], zmq.NOBLOCK)
 
     def _drain_socket(self) -> None:
         for _ in range(10_000):  # then poll again: replies and parked pulls get their turn
@@ -141,11 +146,24 @@ class RankLoop(threading.Thread):
     # ---- messages ---------------------------------------------------------------------------------
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
-            if frames:
+            if frames and not self._opener.authenticated:
                 tid, rid = salvage_ids(frames[1]) if len(frames) > 1 else ("", "")
                 self.reply(frames[0], PullResponse(Status.ERROR, rid, tid, err_msg="expected exactly one frame"))
+            elif frames:
+                self.p.metrics.control_auth_failures.labels(side="prefill").inc()
             return
-        identity, data = frames
+        identity, sealed = frames
+        try:
+            data = self._opener.open(sealed)
+        except AuthError as exc:
+            # A stranger's message touches no transfer and gets no answer (an answer would tell it
+            # which ids exist); without a secret the loopback peer is told what was wrong.
+            if self._opener.authenticated:
+                self.p.metrics.control_auth_failures.labels(side="prefill").inc()
+                log.warning("producer rank %d: control message dropped: %s", self.rank, exc)
+            else:
+                self.reply(identity, PullResponse(Status.ERROR, err_msg=f"malformed message: {exc}"))
+            return
         try:
             message = decode_inbound(data)
         except MessageError as exc:
@@ -189,10 +207,13 @@ class RankLoop(threading.Thread):
         return None
 
     def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> None:
-        error = self._invalid(pull)
-        if error is not None:
-            self.reply(identity, _response(pull, Status.ERROR, err_msg=error))
+        addr = _normal_addr(pull.d_transfer_addr)
+        error = self._invalid(pull) if addr is not None else f"bad d_transfer_addr {pull.d_transfer_addr[:100]!r}"
+        if error is not None or addr is None:
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=error or "bad d_transfer_addr"))
             return
+        # One spelling per peer ("018610" and "18610" are one D): one send thread, one connection pool.
+        pull = msgspec.structs.replace(pull, d_transfer_addr=addr)
         fault = self.p.faults.fault_for(pull.transfer_id)
         if fault == "error_reply":
             self.reply(identity, _response(pull, Status.ERROR, err_msg="injected error reply", injected=True))
@@ -208,8 +229,10 @@ class RankLoop(threading.Thread):
                                                err_msg=f"transfer already ended on P ({v.why})"))
             else:
                 self.reply(identity, _response(pull, Status.FINISH))
-        elif v.kind in ("full", "dead", "short"):
+        elif v.kind in ("full", "dead", "short", "refused"):
             self.reply(identity, _response(pull, Status.ERROR, err_msg=v.why))
+        elif v.kind == "mismatch":
+            self.reply(identity, _response(pull, Status.ERROR, cause="prompt_mismatch", err_msg=v.why))
         elif v.kind == "released":
             self.reply(identity, _response(pull, Status.FINISH))
         elif v.kind == "park":
@@ -309,6 +332,21 @@ class RankLoop(threading.Thread):
             if not self.p.table.write_wanted(w):
                 raise TransferError(TransferErrorCause.RESET, "write cancelled: D's lease ran out")
             time.sleep(min(left, 0.02))
+
+
+def _normal_addr(addr: str) -> str | None:
+    """`host:port` in one canonical spelling (IP literals normalised, names lower-case), or None."""
+    host, sep, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 253:
+        return None
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if not all(c.isalnum() or c in "-." for c in host):
+            return None
+        return f"{host.lower()}:{int(port)}"
+    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
 
 
 def _response(pull: PullRequest, status: Status, **kw: object) -> PullResponse:

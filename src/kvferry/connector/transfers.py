@@ -41,7 +41,8 @@ class Write:
 
 @dataclass(frozen=True)
 class Verdict:
-    """`begin_pull`'s answer: ended (why), full, released, drop, dead, park, short, or write."""
+    """`begin_pull`'s answer: ended (why), full, released, drop, dead, park, short, refused (another
+    live pull), mismatch (not the prompt P computed), or write."""
 
     kind: str
     why: str = ""
@@ -54,8 +55,11 @@ class Transfer:
     transfer_id: str
     expires: float  # doomed as "expired" after this (unless P is still working on it)
     request_id: str | None = None
+    owner: str | None = None  # the P request that claimed this transfer_id: no other may use it
     block_ids: list[int] | None = None  # set once the prefill is done
     num_tokens: int = 0
+    prompt_digest: str = ""
+    d_tp: int | None = None  # D's tp size, fixed by the first pull
     dead: str | None = None  # the P request ended without KV (aborted, error)
     working: bool = False  # P has the request queued or prefilling: its KV is coming
     leased: bool = False  # a pull came: from then on D's lease (its heartbeats) decides
@@ -116,34 +120,51 @@ class TransferTable:
         return self._recent.get(transfer_id)
 
     # ---- engine thread ----------------------------------------------------------------------------
-    def add_working(self, transfer_id: str) -> None:
+    def _claimed_by_other(self, t: Transfer | None, request_id: str) -> bool:
+        """Under the lock: a second P request under a live transfer_id never takes the first one's
+        place (its KV would reach the first one's D, and the first one's blocks would leak)."""
+        if t is None or t.owner in (None, request_id):
+            return False
+        self.metrics.duplicate_transfer_ids.inc()
+        log.warning("transfer_id %s is in use by request %s: request %s refused", t.transfer_id, t.owner, request_id)
+        return True
+
+    def add_working(self, transfer_id: str, request_id: str) -> None:
         """P queued the request: its pulls wait however long the prefill takes."""
         with self.lock:
             if transfer_id in self._recent:
                 return
             t = self._transfers.get(transfer_id)
+            if self._claimed_by_other(t, request_id):
+                return
             if t is None:
                 t = self._transfers[transfer_id] = Transfer(transfer_id, math.inf)
+            t.owner = request_id
             if not t.ready and t.dead is None:
                 t.working = True
 
-    def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, now: float) -> None:
+    def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, now: float,
+                  prompt_digest: str = "") -> None:
         with self.lock:
-            if transfer_id in self._recent:  # D gave up (released, expired) before the prefill ended
+            t = self._transfers.get(transfer_id)
+            # D gave up (released, expired) before the prefill ended, or another request owns the id.
+            if (t is None and transfer_id in self._recent) or self._claimed_by_other(t, request_id):
                 self._finished.add(request_id)
                 return
-            t = self._transfers.get(transfer_id)
             if t is None:
                 t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
-            t.request_id, t.block_ids, t.num_tokens, t.working = request_id, block_ids, num_tokens, False
+            t.request_id, t.owner, t.block_ids, t.num_tokens, t.working = request_id, request_id, block_ids, num_tokens, False
+            t.prompt_digest = prompt_digest
             # Before any pull P's own abort timeout bounds the hold; after one, D's lease does.
             t.expires = now + self.abort_timeout_s if not t.leased or t.expires == math.inf else t.expires
 
-    def add_dead(self, transfer_id: str, now: float) -> None:
+    def add_dead(self, transfer_id: str, request_id: str, now: float) -> None:
         with self.lock:
             if transfer_id in self._recent:
                 return
             t = self._transfers.get(transfer_id)
+            if self._claimed_by_other(t, request_id):
+                return
             if t is None:
                 t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
             t.dead, t.working = "prefill request ended without KV (aborted or failed)", False
@@ -175,9 +196,13 @@ class TransferTable:
             t = self._transfers[transfer_id] = Transfer(transfer_id, now + self.abort_timeout_s)
         return t
 
+    def _lease_s(self, lease_s: float) -> float:
+        """D asks for its lease; P never grants more than its own abort timeout (nor NaN, nor < 0)."""
+        return lease_s if 0 < lease_s <= self.abort_timeout_s else self.abort_timeout_s
+
     def lease(self, t: Transfer, now: float, lease_s: float) -> None:
         """Under the lock: a pull came; from now on D's lease, renewed by its heartbeats, decides."""
-        lease_s = lease_s or self.abort_timeout_s
+        lease_s = self._lease_s(lease_s)
         t.expires = now + lease_s if not t.leased else max(t.expires, now + lease_s)
         if t.expires == math.inf:
             t.expires = now + lease_s
@@ -198,6 +223,12 @@ class TransferTable:
             if not pull.block_ids:  # release-only pull: D will never read these blocks
                 self.doom(t, "released")
                 return Verdict("released")
+            if t.d_tp is not None and t.d_tp != pull.d_tp_size:
+                return Verdict("refused", f"transfer is pulled with D tp_size {t.d_tp}, not {pull.d_tp_size}")
+            if any(w.p_rank == p_rank and w.d_rank == pull.d_tp_rank for w in t.writes) or (
+                (p_rank, pull.d_tp_rank) in t.served
+            ):
+                return Verdict("refused", "another pull for this transfer and D rank is live or done")
             self.lease(t, now, pull.lease_s)
             if drop:
                 return Verdict("drop")
@@ -206,9 +237,16 @@ class TransferTable:
                 return Verdict("dead", t.dead)
             if t.block_ids is None or park:
                 return Verdict("park")
+            if t.num_tokens != pull.num_tokens or t.prompt_digest != pull.prompt_digest:
+                # Not the prompt P computed (a router or tokenizer showed P and D different texts):
+                # refused without ending the transfer; D fails or recomputes, then releases it.
+                if t.num_tokens != pull.num_tokens:
+                    return Verdict("mismatch", f"P computed {t.num_tokens} prompt tokens, D has {pull.num_tokens}")
+                return Verdict("mismatch", "D's prompt token ids differ from those P computed")
             if len(t.block_ids) < len(pull.block_ids):
                 self.doom(t, "failed")
                 return Verdict("short", "P num blocks less than D")
+            t.d_tp = pull.d_tp_size
             w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr)
             t.writes.add(w)
             return Verdict("write", write=w, blocks=list(t.block_ids))
@@ -261,7 +299,7 @@ class TransferTable:
                 if t.working:
                     working.append(tid)
                 if t.expires != math.inf:
-                    t.expires = max(t.expires, now + (lease_s or self.abort_timeout_s))
+                    t.expires = max(t.expires, now + self._lease_s(lease_s))
         return unknown, working
 
     def release(self, transfer_ids: Iterable[str], now: float) -> None:

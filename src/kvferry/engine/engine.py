@@ -296,6 +296,8 @@ class Engine:
                 params = request.sampling_params
                 sampled[request.request_id] = sample(logits, params.temperature, params.seed, request.num_tokens)
         finished_sending, finished_recving = self.worker_connector.get_finished(out.finished_req_ids)
+        if finished_sending:
+            self.scheduler_connector.transfers_ended(finished_sending)
         report = WorkerResult(
             finished_sending,
             finished_recving,

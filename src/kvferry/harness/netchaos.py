@@ -45,6 +45,7 @@ class _System:
                                             "--bootstrap-port", str(free_port()), "--abort-timeout", "5", *common],
                                 f"http://{link.inner_ip}:{p_port}", env, prefix=link.prefix)
         self.d = ManagedProcess("decode", ["serve", "--role", "decode", "--host", link.outer_ip, "--port", str(d_port),
+                                           "--prefill-allow", link.inner_ip,
                                            "--kv-load-deadline", "30", *common], f"http://{link.outer_ip}:{d_port}", env)
         self.proxy = ManagedProcess("proxy", ["proxy", "--prefill", self.p.url, "--decode", self.d.url, "--port",
                                               str(proxy_port), "--retries", "2", "--retry-unreachable", "6"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -67,6 +68,12 @@ def default_blas_threads() -> int:
         return 1
 
 
+# The deployment secret of every system this harness starts (unless the caller's environment has one):
+# demos, chaos, soaks, benches and tests run with authenticated control and data planes, as a
+# production deployment would.
+HARNESS_SECRET = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
+
+
 class ManagedProcess:
     """One `python -m kvferry ...` child; output goes to a temporary log file, stop() is by pid."""
 
@@ -86,7 +93,7 @@ class ManagedProcess:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "KVFERRY_SECRET": HARNESS_SECRET, **(env or {})},
         )
 
     @property

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvferry.connector.base import AdmissionError
 from kvferry.connector.pd import KVTransferParamsError, validate_kv_transfer_params
 from kvferry.engine.engine import Engine, EngineDeadError, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
@@ -29,7 +30,7 @@ from kvferry.serving.openai_chat import (
     model_not_found,
     models_body,
 )
-from kvferry.serving.pd_protocols import EngineResolver, ProtocolError, translate
+from kvferry.serving.pd_protocols import EngineResolver, PDRequest, ProtocolError, translate
 from kvferry.serving.protocol import (
     COMPLETION_200,
     METRICS_200,
@@ -121,8 +122,6 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served
         return await _serve(as_completion, http_request, _Chat(include_usage))
 
     async def _serve(body: CompletionRequest, http_request: Request, chat: _Chat | None) -> Response:
-        if body.model is not None and body.model != model_name:
-            return JSONResponse(model_not_found(body.model), status_code=404)
         request_id = new_request_id()
         try:
             check_kv_transfer_params(body.kv_transfer_params)
@@ -133,6 +132,34 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served
         except ProtocolError as exc:
             return _bad_request(str(exc))
         params = pd.kv_transfer_params
+        connector = engine.scheduler_connector
+        try:  # D: a prefill host it may pull from; P: a transfer_id no live request uses
+            connector.claim(request_id, params)
+        except AdmissionError as exc:
+            return _bad_request(str(exc))
+        try:
+            response = await _admitted(body, http_request, chat, request_id, pd)
+        except BaseException:
+            connector.unclaim(request_id, params)
+            raise
+        if response.status_code in (400, 404, 503):  # turned away before the engine saw it
+            connector.unclaim(request_id, params)
+        if response.status_code in (400, 404) and (params or {}).get("do_remote_prefill"):
+            # Turned away here, but P already prefills it (the proxy and vllm-router ask both at once):
+            # free P now rather than at its abort timeout.
+            try:
+                validate_kv_transfer_params(params)
+            except KVTransferParamsError:
+                return response  # nowhere to send the release
+            engine.reject(EngineRequest(new_request_id(), [], SamplingParams(), params, time.time()))
+        return response
+
+    async def _admitted(
+        body: CompletionRequest, http_request: Request, chat: _Chat | None, request_id: str, pd: PDRequest
+    ) -> Response:
+        params = pd.kv_transfer_params
+        if body.model is not None and body.model != model_name:
+            return JSONResponse(model_not_found(body.model), status_code=404)
         if pd.sglang_room is not None and params is not None:
             try:
                 params["remote_engine_id"] = await resolver.engine_for(params["remote_bootstrap_addr"], pd.sglang_room)
@@ -140,15 +167,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served
                 engine.metrics.kv_load_failures.labels(cause="bootstrap").inc()
                 return JSONResponse(error_body(str(exc), "kv_load_failed", "bootstrap"), status_code=500)
         max_tokens = 1 if pd.prefill_only else body.max_tokens
-        response = await _completions(body, http_request, request_id, params, max_tokens, chat)
-        if response.status_code == 400 and (params or {}).get("do_remote_prefill"):
-            # Turned away here, but P already prefills it (the proxy asks both at once): free P now.
-            try:
-                validate_kv_transfer_params(params)
-            except KVTransferParamsError:
-                return response  # nowhere to send the release
-            engine.reject(EngineRequest(new_request_id(), [], SamplingParams(), params, time.time()))
-        return response
+        return await _completions(body, http_request, request_id, params, max_tokens, chat)
 
     async def _completions(
         body: CompletionRequest, http_request: Request, request_id: str, kv_params: dict[str, Any] | None,

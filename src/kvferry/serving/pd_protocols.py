@@ -122,7 +122,7 @@ class EngineResolver:
                 response = await client.get(f"http://{bootstrap_addr}/query")
             ranks = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as exc:
-            raise LookupError(f"bootstrap server {bootstrap_addr} unreachable: {exc!r}") from exc
+            raise LookupError(f"bootstrap server {bootstrap_addr} unreachable: {type(exc).__name__}") from exc
         if not isinstance(ranks, dict) or not ranks:
             raise LookupError(f"bootstrap server {bootstrap_addr} lists no prefill engine")
         try:

@@ -1,0 +1,113 @@
+"""Authenticated control messages: every ZMQ message between D and P is sealed with a key derived from
+`KVFERRY_SECRET`, so a stranger who reaches P's ROUTER (or answers in P's place) can neither forge,
+alter nor replay one.
+
+Envelope: magic, direction, sender session (random per socket), sequence number, MAC, then the
+msgpack payload. The MAC (HMAC-SHA256, truncated to 16 bytes) covers everything before it and the
+payload. A receiver keeps the highest sequence number seen per sender session (a DEALER ↔ ROUTER
+connection delivers in order), so a replayed message is refused; sessions are remembered in a bounded
+LRU. Without a secret messages carry a zero MAC and are not checked: the loopback-only default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+import threading
+from collections import OrderedDict
+
+import xxhash
+
+MAGIC = b"KVC1"
+TO_PREFILL = 1  # D → P: pulls, heartbeats, releases
+TO_DECODE = 2  # P → D: replies, acks
+HEADER = struct.Struct("<4sB3x16sQ16s")  # magic, direction, session, seq, mac
+MAC_BYTES = 16
+MAX_SESSIONS = 65_536  # sender sessions a receiver remembers (one per D rank socket, or P rank)
+
+
+class AuthError(ValueError):
+    """A control message that is not sealed with our secret (or is replayed, or malformed)."""
+
+
+def deployment_secret() -> bytes | None:
+    """The one secret a deployment configures (env KVFERRY_SECRET); None: no authentication."""
+    secret = os.environ.get("KVFERRY_SECRET")
+    return secret.encode() if secret else None
+
+
+def derive(secret: bytes, purpose: str) -> bytes:
+    """A key per purpose, so a MAC from one protocol is never valid in another."""
+    return hmac.new(secret, b"kvferry/v1/" + purpose.encode(), hashlib.sha256).digest()
+
+
+class Sealer:
+    """Seals the messages one socket sends (one session, increasing sequence numbers)."""
+
+    def __init__(self, secret: bytes | None, direction: int) -> None:
+        self._key = derive(secret, "control") if secret else None
+        self._direction = direction
+        self._session = os.urandom(16)
+        self._seq = 0
+        self._lock = threading.Lock()  # P's rank loop and send threads share one socket's sealer
+
+    def seal(self, payload: bytes) -> bytes:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        head = struct.pack("<4sB3x16sQ", MAGIC, self._direction, self._session, seq)
+        mac = _mac(self._key, head, payload) if self._key else bytes(MAC_BYTES)
+        return head + mac + payload
+
+
+class Opener:
+    """Checks sealed messages for one receiving socket; returns the payload or raises AuthError."""
+
+    def __init__(self, secret: bytes | None, direction: int) -> None:
+        self._key = derive(secret, "control") if secret else None
+        self._direction = direction
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # session → highest sequence number
+
+    @property
+    def authenticated(self) -> bool:
+        return self._key is not None
+
+    def open(self, data: bytes) -> bytes:
+        if len(data) < HEADER.size:
+            raise AuthError("message shorter than its envelope")
+        magic, direction, session, seq, mac = HEADER.unpack_from(data)
+        if magic != MAGIC or direction != self._direction:
+            raise AuthError("not a kvferry control message for this side")
+        payload = data[HEADER.size :]
+        if self._key is None:
+            return payload
+        if not hmac.compare_digest(mac, _mac(self._key, data[: HEADER.size - MAC_BYTES], payload)):
+            raise AuthError("bad MAC (wrong or missing KVFERRY_SECRET)")
+        if seq <= self._seen.get(session, 0):
+            raise AuthError("replayed message")
+        self._seen[session] = seq
+        self._seen.move_to_end(session)
+        while len(self._seen) > MAX_SESSIONS:
+            self._seen.popitem(last=False)
+        return payload
+
+
+def _mac(key: bytes, head: bytes, payload: bytes) -> bytes:
+    return hmac.new(key, head + payload, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+def prompt_digest(token_ids: list[int], block_size: int, secret: bytes | None) -> str:
+    """A digest of the prompt's token ids, chained block by block, so the digest after block b names the
+    whole prefix up to b. Keyed with the secret when there is one (an observer of the control plane
+    cannot test guesses of a short prompt). P compares D's with its own before writing any byte."""
+    key = derive(secret, "prompt") if secret else b""
+    digest = b""
+    for start in range(0, len(token_ids), block_size):
+        block = struct.pack(f"<{min(block_size, len(token_ids) - start)}I", *token_ids[start : start + block_size])
+        if key:
+            digest = hmac.new(key, digest + block, hashlib.sha256).digest()[:16]
+        else:
+            digest = xxhash.xxh3_128_digest(digest + block)
+    return digest.hex()
