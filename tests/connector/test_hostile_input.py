@@ -13,7 +13,6 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from sealed import Sealed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,24 +26,25 @@ from kvferry.connector.producer import Producer
 from kvferry.transfer.base import ByteRange
 from kvferry.transfer.tcp import TcpTransferEngine
 from procs import free_port
+from sealed import Sealed
 
 SPEC = KVCacheSpec(num_blocks=16, num_layers=2, num_kv_heads=4, block_size=4, head_dim=8)
 
 
 class Rig:
-    def __init__(self, abort_timeout_s: float = 0.3) -> None:
+    def __init__(self, abort_timeout_s: float = 0.3, secret: bytes | None = None) -> None:
         rng = np.random.default_rng(1)
         self.p_kv = rng.standard_normal(SPEC.shape, dtype=np.float32)
-        self.p_engine = TcpTransferEngine()
+        self.p_engine = TcpTransferEngine(secret=secret or b"")
         self.producer = Producer(PagedKVLayout(SPEC, self.p_kv), [self.p_engine], "127.0.0.1", abort_timeout_s, FaultSpec(),
-                                 Metrics())
+                                 Metrics(), secret)
         self.d_kv = np.zeros(SPEC.shape, dtype=np.float32)
-        self.d_engine = TcpTransferEngine()
+        self.d_engine = TcpTransferEngine(secret=secret or b"")
         self.d_engine.register("kv", self.d_kv)
         self.ctx: zmq.Context[Any] = zmq.Context()
         raw = self.ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
-        self.sock = Sealed(raw)
+        self.sock = Sealed(raw, secret)
         self.sock.connect(self.producer.control_addrs[0])
 
     def ask(self, data: bytes | list[bytes], timeout: float = 5.0) -> Any:

@@ -1,0 +1,102 @@
+"""Every control-message field a stranger controls, fuzzed against a P that holds the secret: whatever
+arrives unsealed, sealed with another key, replayed or mangled is dropped and counted, gets no answer,
+and the next honest pull is served (issue 19.7)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from connector.test_hostile_input import Rig
+from kvferry.connector.auth import HEADER, MAGIC, TO_PREFILL, Sealer
+from kvferry.connector.messages import Heartbeat, PullRequest, Release, encode
+from sealed import Sealed
+
+SECRET = b"the deployment secret"
+
+fields = st.fixed_dictionaries({
+    "transfer_id": st.text(max_size=40), "d_request_id": st.text(max_size=20),
+    "d_transfer_addr": st.text(max_size=30), "grant_token": st.text(max_size=40),
+    "block_ids": st.lists(st.integers(-2**63, 2**63 - 1), max_size=8),
+    "d_num_blocks": st.integers(-2**63, 2**63 - 1), "d_tp_size": st.integers(-5, 5), "d_tp_rank": st.integers(-5, 5),
+    "num_tokens": st.integers(-2**31, 2**31), "lease_s": st.floats(allow_nan=True),
+})
+messages = st.one_of(
+    fields.map(lambda f: encode(PullRequest(**f))),
+    st.lists(st.text(max_size=30), max_size=5).map(lambda ids: encode(Heartbeat(ids, lease_s=1e9))),
+    st.lists(st.text(max_size=30), max_size=5).map(lambda ids: encode(Release(ids))),
+    st.binary(max_size=200),
+)
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    r = Rig(abort_timeout_s=5.0, secret=SECRET)
+    yield r
+    r.close()
+
+
+def failures(rig: Rig) -> float:
+    value: float = rig.producer.metrics.control_auth_failures.labels(side="prefill")._value.get()
+    return value
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=messages, how=st.sampled_from(["unsealed", "other key", "no key", "mangled", "bad header"]))
+def test_forged_control_messages_are_dropped(rig: Rig, payload: bytes, how: str, ) -> None:
+    if how == "unsealed":
+        data = payload
+    elif how == "bad header":
+        data = MAGIC + bytes(HEADER.size - len(MAGIC)) + payload
+    else:
+        data = Sealer(b"another secret" if how == "other key" else None, TO_PREFILL).seal(payload)
+        if how == "mangled":  # our own key, one bit flipped after sealing
+            sealed = Sealer(SECRET, TO_PREFILL).seal(payload)
+            data = sealed[:-1] + bytes([sealed[-1] ^ 1]) if payload else sealed[:20] + bytes([sealed[20] ^ 1]) + sealed[21:]
+    before = failures(rig)
+    rig.sock.raw.send(data)
+    deadline = time.monotonic() + 5
+    while failures(rig) < before + 1:
+        assert time.monotonic() < deadline, "P neither dropped nor counted a forged message"
+        time.sleep(0.002)
+    assert not rig.sock.poll(0), "P answered a forged message"
+    assert len(rig.producer.table) == 0, "a forged message touched the transfer table"
+
+
+def test_replayed_message_is_dropped_and_honest_pulls_still_served(rig: Rig) -> None:
+    rig.producer.add_ready("replayed", "p-replayed", [1, 2], 8)
+    release = rig.sock.sealer.seal(encode(Release(["nothing-live"])))
+    rig.sock.raw.send(release)
+    before = failures(rig)
+    rig.sock.raw.send(release)  # the same bytes again: an on-path observer's replay
+    deadline = time.monotonic() + 5
+    while failures(rig) < before + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    reply = rig.ask(rig.pull("replayed", [3, 4], num_tokens=8))
+    assert reply.status == 0 and reply.d_request_id == "d-replayed", reply  # FINISH
+    rig.check_still_serving()
+
+
+def test_an_honest_peer_without_the_secret_gets_nothing(rig: Rig) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(rig.producer.control_addrs[0])
+    stranger = Sealed(raw, None)
+    before = failures(rig)
+    stranger.send(msgspec.msgpack.encode({"type": "hb", "transfer_ids": ["x"]}))
+    deadline = time.monotonic() + 5
+    while failures(rig) < before + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert not raw.poll(100)
+    raw.close(0)
+    ctx.destroy(linger=0)
