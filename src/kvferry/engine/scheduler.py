@@ -56,6 +56,9 @@ class Scheduler:
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        # KV landed (or is being recomputed after a failed load): these hold every block they need until
+        # they run, so they are admitted ahead of `waiting`, never stuck behind a request that cannot fit.
+        self.ready: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, or aborted while waiting
         self.block_tables: dict[str, list[int]] = {}
@@ -87,6 +90,8 @@ class Scheduler:
             return request
         if request in self.running:
             self.running.remove(request)
+        elif request in self.ready:
+            self.ready.remove(request)
         else:
             self.waiting.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -94,7 +99,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.ready or self.running)
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -119,22 +124,27 @@ class Scheduler:
                 scheduled.append(request)
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
                 budget -= n
-        while self.waiting and budget > 0 and not preempted and len(scheduled) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if request.status != RequestStatus.PREEMPTED and not self._admit_remote(request):
-                break
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.waiting.popleft()
-                continue
-            n = self._chunk_size(request, budget)
-            if not self._grow(request, request.num_computed_tokens + n):
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(request)
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
-            budget -= n
+        # Ready requests first: they need no new block, so a head of `waiting` that cannot fit (a preempted
+        # one, issue 18) never strands them. With nothing running, one of them runs, or that head waits only
+        # for blocks that loads or sends in flight will free (no request outgrows the pool: the API checks).
+        for queue in (self.ready, self.waiting):
+            while queue and budget > 0 and not preempted and len(scheduled) < self.config.max_num_seqs:
+                request = queue[0]
+                if queue is self.waiting and request.status != RequestStatus.PREEMPTED:
+                    if not self._admit_remote(request):
+                        break
+                    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                        queue.popleft()
+                        continue
+                n = self._chunk_size(request, budget)
+                if not self._grow(request, request.num_computed_tokens + n):
+                    break  # first come, first served: nothing behind it may take the blocks it waits for
+                queue.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append(request)
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                budget -= n
         return out
 
     def _chunk_size(self, request: Request, budget: int) -> int:
@@ -152,8 +162,6 @@ class Scheduler:
 
     def _admit_remote(self, request: Request) -> bool:
         """Ask the connector about external KV; park async loads. False = not admissible yet."""
-        if request.request_id in self.block_tables:  # recomputing after a failed load
-            return True
         matched, load_async = self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens)
         if matched is None:
             return False
@@ -170,16 +178,17 @@ class Scheduler:
             for block_id in blocks:
                 self._remote_block_owner[block_id] = request.request_id
             return True
-        self.connector.update_state_after_alloc(request, self.block_tables.get(request.request_id, []), 0)
+        self.connector.update_state_after_alloc(request, [], 0)
         return True
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
-        table = self.block_tables.setdefault(request.request_id, [])
+        table = self.block_tables.get(request.request_id, [])
         need = -(-num_tokens // self.config.block_size) - len(table)
         if need <= 0:
             return True
         if not self.pool.can_allocate(need):
-            return False
+            return False  # leaves no empty table behind: a request without blocks has none
+        self.block_tables[request.request_id] = table
         table.extend(self.pool.allocate(need))
         return True
 
@@ -257,7 +266,7 @@ class Scheduler:
                 # The first output token is sampled locally: recompute the last prompt token.
                 request.num_computed_tokens = request.num_tokens - 1
             request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self.ready.append(request)
         return touched
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -305,5 +314,6 @@ class Scheduler:
 
     def _all_live(self) -> Iterable[Request]:
         yield from self.waiting
+        yield from self.ready
         yield from self.running
         yield from self.remote.values()
