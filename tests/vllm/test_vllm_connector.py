@@ -8,9 +8,10 @@ skips where vLLM is not installed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,53 @@ def test_request_runs_p_to_d(make_pd: Any, layout: str, roles: tuple[str, str], 
     pd.assert_empty()
 
 
+class LateCopies:
+    """Staging copies that complete as a GPU's do: `launch` returns at once and the copies land later
+    (on a thread, after `delay_s`), unless the caller waits for them."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.launched = 0
+
+    def launch(self, copies: Sequence[Callable[[], object]]) -> Callable[[], None]:
+        done = threading.Event()
+
+        def run() -> None:
+            time.sleep(self.delay_s)
+            for copy in copies:
+                copy()
+            done.set()
+
+        self.launched += 1
+        threading.Thread(target=run, name="late-copies", daemon=True).start()
+        return lambda: None if done.wait(10.0) else pytest.fail("staging copies never completed")
+
+
+@pytest.mark.parametrize("faults", ["", "transport=1,seed=0"], ids=["clean", "transport"])
+def test_staged_blocks_are_in_place_when_reported(make_pd: Any, faults: str) -> None:
+    """With copies that complete late (as on a GPU, where a copy is only launched), P's data plane reads
+    the mirror only once `stage_out` completed, and D reports the request in finished_recving only once
+    `stage_in` completed: the blocks hold P's bytes the moment vLLM's scheduler hears of them. Also for
+    the blocks a failed load keeps under `recompute` (the data plane breaks after half the blocks)."""
+    pd = make_pd(policy="recompute", faults=faults, abort_timeout_s=1.5, staging="always")
+    p_copies, d_copies = LateCopies(0.3), LateCopies(0.3)
+    pd.p.worker.layout.copies, pd.d.worker.layout.copies = p_copies, d_copies
+    p_req, params = pd.prefill(PROMPT)
+    expected = p_prompt_bytes(pd, p_req, PROMPT)
+    d_req = pd.d.add(PROMPT, 5, params)
+    pd.d.step()
+    blocks = pd.d.block_ids(d_req.request_id)
+    pd.both_until(lambda: d_req.request_id in pd.d.received, what="the load to be reported")
+    # Checked before D runs another step: what vLLM's next forward would read.
+    kept = min((blocks.index(b) for b in pd.d.invalid), default=len(expected))
+    assert kept == (len(expected) if not faults else d_req.num_computed_tokens // BLOCK_SIZE)
+    assert kept > 0 and p_copies.launched and d_copies.launched
+    assert_blocks_equal(pd, d_req.request_id, expected, upto=kept)
+    out = decode_to_end(pd, d_req.request_id)
+    assert out.finish_reason == FinishReason.LENGTH and len(pd.d.tokens(d_req.request_id)) == 5
+    pd.assert_empty()
+
+
 def test_local_prefix_hit_on_d_computes_locally_and_releases_p(make_pd: Any) -> None:
     pd = make_pd()
     _, params = pd.prefill(PROMPT)
@@ -240,6 +288,85 @@ def test_vllm_router_nixl_shape_names_the_transfer_on_p(make_pd: Any) -> None:
 def test_unknown_setting_is_rejected(model_dir: str) -> None:
     with pytest.raises(ValueError, match="bootstrap_prot"):
         Instance("X", model_dir, "kv_consumer", {"bootstrap_prot": 1})
+
+
+# ---- a request queued on a busy P -------------------------------------------------------------------------
+def d_heard_working(pd: PD, transfer_id: str) -> bool:
+    """Whether a heartbeat ack from P listed `transfer_id` as working (queued or prefilling) on D's side.
+    Reads D's dealers, which the consumer's thread updates: a snapshot of them is enough here."""
+    consumer = pd.d.worker.pd["decode"].consumer
+    assert consumer is not None
+    return any(transfer_id in dealer.working_seen for dealer in list(consumer._dealers.values()))
+
+
+def test_request_queued_on_a_busy_p_outlives_ds_receive_timeout(make_pd: Any) -> None:
+    """The proxy sends to P and D at once, and P's engine is busy: its run slots are full and each step
+    takes 100 ms, so the request waits in P's queue longer than D's receive timeout (abort timeout + 5 s).
+    P reports the transfer as working from the moment vLLM's scheduler takes the request in (while the
+    slots are full vLLM does not even look at the waiting queue, so `get_num_new_matched_tokens` alone
+    would come too late), D's heartbeat acks say so before the prefill starts, and D waits for the KV
+    instead of failing with `recv_timeout` (or P answering "not ready" after its abort timeout)."""
+    pd = make_pd(abort_timeout_s=0.5)
+    recv_timeout = pd.d.worker.pd["decode"].config.recv_timeout_s
+    hogs = [pd.p.add([3 + i] * 4, 1000, None) for i in range(8)]  # the harness's max_num_seqs
+    pd.p.step()
+    assert all(h.status == RequestStatus.RUNNING for h in hogs)
+    forward = pd.p._forward
+
+    def busy_forward(num_scheduled: dict[str, int]) -> None:
+        time.sleep(0.1)  # a long model step: P's engine spends most of its time inside steps
+        forward(num_scheduled)
+
+    pd.p._forward = busy_forward  # type: ignore[method-assign]
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    p_req = pd.p.add(PROMPT, 1, {"do_remote_decode": True, "transfer_id": transfer_id})
+    d_req = pd.d.add(PROMPT, 5, pd.d_params(transfer_id))
+    queued_until = time.monotonic() + recv_timeout + 1.0
+    heard = False
+
+    def queued_long_enough() -> bool:
+        nonlocal heard
+        assert p_req.status == RequestStatus.WAITING, "P's prefill started: its queue was not long enough"
+        heard = heard or d_heard_working(pd, transfer_id)
+        return time.monotonic() > queued_until or pd.d.finished(d_req.request_id) is not None
+
+    pd.both_until(queued_long_enough, timeout=recv_timeout + 10.0, what="P's queue to be held")
+    cause = pd.d.connector.failure_causes.get(d_req.request_id)
+    assert pd.d.finished(d_req.request_id) is None, f"D gave up on a request P had queued: {cause}"
+    assert heard, "no heartbeat ack from P listed the queued transfer as working"
+    pd.p._forward = forward  # type: ignore[method-assign]
+    for hog in hogs:
+        pd.p.abort(hog.request_id)
+    out = decode_to_end(pd, d_req.request_id)
+    assert out.finish_reason == FinishReason.LENGTH and len(pd.d.tokens(d_req.request_id)) == 5
+    assert d_req.request_id not in pd.d.connector.failure_causes and not pd.d.invalid
+    assert pd.d.received == [d_req.request_id] and pd.p.sent == [p_req.request_id]
+    pd.assert_empty()
+
+
+def test_p_reports_each_queued_request_once(make_pd: Any) -> None:
+    """vLLM calls `on_new_request` once and `get_num_new_matched_tokens` whenever it looks at a waiting
+    request; P's worker hears of each queued transfer once. Where `on_new_request` is not called (vLLM
+    before 0.33), the first `get_num_new_matched_tokens` reports it."""
+    pd = make_pd(abort_timeout_s=0.5)  # nobody pulls: P lets the transfers go after this
+    working: list[str] = []
+    start_load_kv = pd.p.worker.pd["prefill"].start_load_kv
+
+    def spy(meta: Any) -> None:  # the transfer ids of `working` (entries may also name the request)
+        working.extend(w if isinstance(w, str) else w[0] for w in meta.working)
+        start_load_kv(meta)
+
+    pd.p.worker.pd["prefill"].start_load_kv = spy
+    first = pd.p.add(PROMPT, 1, {"do_remote_decode": True, "transfer_id": "xfer-first"})
+    for _ in range(3):  # vLLM looks at a waiting request again each step it cannot admit it
+        assert pd.p.connector.get_num_new_matched_tokens(first, 0) == (0, False)
+    pd.p.connector.on_new_request = lambda request: None  # type: ignore[method-assign]  # an older vLLM
+    second = pd.p.add(PROMPT[::-1], 1, {"do_remote_decode": True, "transfer_id": "xfer-second"})
+    local = pd.p.add(PROMPT[1:], 1, None)
+    pd.p.run_until(lambda: all(pd.p.finished(r.request_id) for r in (first, second, local)), what="prefills")
+    assert working == ["xfer-first", "xfer-second"]
+    assert not pd.p.connector._queued  # a finished request is forgotten: the memory holds live ones only
+    pd.assert_empty()
 
 
 # ---- failures ---------------------------------------------------------------------------------------------

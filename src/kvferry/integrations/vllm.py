@@ -20,6 +20,14 @@ What vLLM's scheduler requires, and how it is met here:
   `recompute` → computed tokens cut at the first invalid block. Hybrid (multi-group) KV caches are not
   declared (no `SupportsHMA`), so vLLM disables its hybrid allocator and block ids are unambiguous;
 - `update_state_after_alloc` called again with 0 external tokens after an async load is ignored.
+
+What kvferry requires of vLLM's scheduler, and where it comes from:
+- P must know a transfer is coming from the moment its request is queued (`PDConnector.on_request_added`):
+  only then does it keep a pull for it parked, and say "working" in D's heartbeat acks, however long
+  the request waits in P's queue; otherwise D's receive timeout (and P's abort timeout on a parked pull)
+  would count P's queueing time. vLLM calls `on_new_request` when a request is added (0.33), and
+  `get_num_new_matched_tokens` whenever it considers a waiting request (earlier versions have only
+  this one, and vLLM skips it while every run slot is taken); both report the request, once.
 """
 
 from __future__ import annotations
@@ -223,6 +231,8 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.failure_causes: OrderedDict[str, tuple[str, str]] = OrderedDict()  # scheduler side, for logs/tests
         self._failures = KVFerryStats()  # scheduler side: failures by cause since the last stats report
         self._transfer_ids: OrderedDict[str, str] = OrderedDict()  # request id → transfer id (for logs)
+        # Requests already told to the prefill side as queued (reported once; forgotten when they finish).
+        self._queued: OrderedDict[str, None] = OrderedDict()
         # worker side: ids the scheduler may be told about (each once)
         self._expect_send: set[str] = set()
         self._expect_recv: set[str] = set()
@@ -244,7 +254,26 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return _RequestView(request, params)
 
     # ---- scheduler role ---------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """vLLM (0.33) added a request to its waiting queue."""
+        self._note_queued(request)
+
+    def _note_queued(self, request: Any) -> None:
+        """P: tell the prefill side that a `do_remote_decode` request is queued (once per request), so
+        its transfer is `working` from now on: a pull for it waits for the prefill and D's heartbeat acks
+        list it, however long P's queue is."""
+        prefill = self.pd.get(PREFILL)
+        if prefill is None or request.request_id in self._queued:
+            return
+        _remember(self._queued, request.request_id, None)  # also for requests without a transfer: looked at once
+        view = self._view(request)
+        if (view.kv_transfer_params or {}).get("do_remote_decode"):
+            prefill.on_request_added(view)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        # The first time vLLM looks at a waiting request: where `on_new_request` does not exist (older vLLM),
+        # this is where P learns its request is queued. Idempotent, as vLLM may call it every step.
+        self._note_queued(request)
         decode = self.pd.get(DECODE)
         if decode is None:
             return 0, False
@@ -278,6 +307,7 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVFerryConnectorMetadata(by_role)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._queued.pop(request.request_id, None)  # vLLM calls this once per request: nothing left to report
         view = self._view(request)
         params = view.kv_transfer_params or {}
         if params.get("do_remote_decode") and PREFILL in self.pd:

@@ -16,12 +16,20 @@ same as for host memory. P copies a write's blocks device → mirror just before
 mirror → device before the scheduler sees them (`stage_in`). The same code runs on CPU tensors with
 staging forced on (`staging=True`), which is how the tests cover it without a GPU. docs/vllm.md says
 what each copy costs.
+
+Device copies are asynchronous: a kernel launch returns before it ran. Both staging directions therefore
+launch their copies through `DeviceCopies` and wait for them before returning, because what comes next
+reads the result from elsewhere: P's data plane reads the mirror right after `stage_out`, and D reports
+the request in `finished_recving` right after `stage_in`, after which vLLM's forward (on its own stream)
+may read the blocks. On CUDA the copies run on a dedicated stream and are waited for through an event
+recorded after them, so they neither queue behind the model's kernels nor are waited for by them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvferry.connector.layout import KVLayout, LayoutDescription, StridedSegment, strided_block_runs
@@ -30,6 +38,72 @@ from kvferry.transfer.base import ByteRange
 
 class UnsupportedKVCacheError(ValueError):
     pass
+
+
+def _nothing_to_wait_for() -> None:
+    return
+
+
+class DeviceCopies:
+    """Launches staging copies on the KV cache's device; `launch` returns a function that blocks until
+    they all completed. This base runs them in the calling thread and is right where a copy is complete
+    when the call returns (CPU tensors, the `meta` device)."""
+
+    def launch(self, copies: Sequence[Callable[[], object]]) -> Callable[[], None]:
+        for copy in copies:
+            copy()
+        return _nothing_to_wait_for
+
+
+class CudaCopies(DeviceCopies):
+    """Copies on a dedicated CUDA stream, completed when an event recorded after them is. The stream is
+    one of torch's non-blocking pool streams: it does not serialize with the legacy default stream,
+    so the copies do not wait for the model's kernels, nor the model for them."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.stream = torch.cuda.Stream(device=device)
+
+    def launch(self, copies: Sequence[Callable[[], object]]) -> Callable[[], None]:
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            for copy in copies:
+                copy()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        # An event per launch, not stream.synchronize(): send threads launch on this stream
+        # concurrently, and each waits only for its own copies.
+        return done.synchronize  # type: ignore[no-any-return]
+
+
+class BarrierCopies(DeviceCopies):
+    """Another accelerator: copies on its current stream, then the whole device synchronized (slower
+    than an event, but complete for any device torch drives)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def launch(self, copies: Sequence[Callable[[], object]]) -> Callable[[], None]:
+        import torch
+
+        for copy in copies:
+            copy()
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and hasattr(accelerator, "synchronize"):
+            return functools.partial(accelerator.synchronize, self.device)
+        return functools.partial(getattr(torch, self.device.type).synchronize, self.device)
+
+
+def device_copies(device: Any) -> DeviceCopies:
+    """How staging copies on `device` are launched and waited for."""
+    kind = getattr(device, "type", "cpu")
+    if kind in ("cpu", "meta"):
+        return DeviceCopies()
+    if kind == "cuda":
+        return CudaCopies(device)
+    return BarrierCopies(device)
 
 
 class VllmKVLayout(KVLayout):
@@ -57,6 +131,11 @@ class VllmKVLayout(KVLayout):
         registered = host_mirror(kv_caches) if self.staged else kv_caches
         # (KV cache tensor, the host tensor registered for it): the same tensor when not staged.
         self._pairs = [(kv_caches[name], registered[name]) for name in self._names]
+        devices = {str(getattr(t, "device", "cpu")) for t in kv_caches.values()}
+        if self.staged and len(devices) > 1:
+            raise UnsupportedKVCacheError(f"KV cache tensors on several devices {sorted(devices)}; one worker, one device")
+        # How staging copies run and are waited for (tests replace it with one that completes late).
+        self.copies = device_copies(getattr(first, "device", None)) if self.staged else DeviceCopies()
         self._layers = [self._add_layer(name, registered[name]) for name in self._names]
         heads = {layer.dims[0][0] for layer in self._layers}
         if len(heads) != 1:
@@ -111,18 +190,29 @@ class VllmKVLayout(KVLayout):
         return {name: host for name, (_, host) in zip(self._names, self._pairs, strict=True)}
 
     def stage_out(self, block_ids: Sequence[int]) -> None:
+        """Device → mirror; returns once the mirror holds the blocks (the data plane reads it next)."""
         if not self.staged or not block_ids:
             return
         index = self._kernel_index(block_ids)
-        for cache, host in self._pairs:
+
+        def copy_out(cache: Any, host: Any) -> None:
             host.index_copy_(0, index, cache.index_select(0, index.to(cache.device)).cpu())
 
+        wait = self.copies.launch([functools.partial(copy_out, cache, host) for cache, host in self._pairs])
+        wait()
+
     def stage_in(self, block_ids: Sequence[int]) -> None:
+        """Mirror → device; returns once the KV cache holds the blocks: the caller reports the request
+        in `finished_recving` next, and vLLM's forward may read them in its next step."""
         if not self.staged or not block_ids:
             return
         index = self._kernel_index(block_ids)
-        for cache, host in self._pairs:
+
+        def copy_in(cache: Any, host: Any) -> None:
             cache.index_copy_(0, index.to(cache.device), host.index_select(0, index).to(cache.device))
+
+        wait = self.copies.launch([functools.partial(copy_in, cache, host) for cache, host in self._pairs])
+        wait()
 
     def _kernel_index(self, block_ids: Sequence[int]) -> Any:
         import torch
