@@ -502,3 +502,19 @@ def test_d_released_before_p_finished_prefill(make_pd: Any) -> None:
     pd.both_until(lambda: p_req in pd.p.sent, timeout=5.0, what="P to free its blocks")
     pd.assert_empty()
     assert pd.d.received == []
+
+
+def test_no_secret_no_network_and_the_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter follows `kvferry serve`'s rules (docs/security.md): a non-loopback host needs
+    KVFERRY_SECRET or "insecure"; D's prefill allow-list comes from the extra config."""
+    from kvferry.integrations.vllm import KVFerrySettings
+
+    monkeypatch.delenv("KVFERRY_SECRET", raising=False)
+    with pytest.raises(ValueError, match="KVFERRY_SECRET"):
+        KVFerrySettings.from_extra_config({"host": "10.1.2.3"}, "e")
+    assert KVFerrySettings.from_extra_config({"host": "10.1.2.3", "insecure": True}, "e").insecure
+    monkeypatch.setenv("KVFERRY_SECRET", "s3cret")
+    settings = KVFerrySettings.from_extra_config({"host": "10.1.2.3", "prefill_allow": ["10.1.2.0/24"]}, "e")
+    assert settings.pd_config("decode", 16).prefill_allow == ("10.1.2.0/24",)
+    with pytest.raises(ValueError, match="prefill-allow"):
+        KVFerrySettings.from_extra_config({"prefill_allow": ["not a host!"]}, "e")

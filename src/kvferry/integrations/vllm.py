@@ -33,6 +33,7 @@ What kvferry requires of vLLM's scheduler, and where it comes from:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -55,7 +56,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "`bash .ci/vllm-env.sh`, or `pip install 'kvferry[vllm]'`"
     ) from exc
 
+from kvferry.connector.auth import deployment_secret
 from kvferry.connector.base import ConnectorRole
+from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.pd import (
     KVTransferParamsError,
@@ -96,9 +99,12 @@ class KVFerrySettings:
     # Copy KV through a host mirror: "auto" when the KV cache is not in host memory (a GPU), "always"
     # (host memory too: tests), "never" (a KV cache on a device is refused)
     staging: str = "auto"
+    prefill_allow: tuple[str, ...] = LOOPBACK  # D: the hosts whose bootstrap servers it may pull from
+    insecure: bool = False  # a non-loopback host without KVFERRY_SECRET (as `kvferry serve --insecure`)
 
     KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
-            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "staging")
+            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "staging", "prefill_allow",
+            "insecure")
     STAGING = {"auto": None, "always": True, "never": False}
 
     @classmethod
@@ -118,7 +124,15 @@ class KVFerrySettings:
             heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 0.25)),
             heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", 1.5)),
             staging=str(extra.get("staging", "auto")),
+            prefill_allow=tuple(str(h) for h in extra.get("prefill_allow", LOOPBACK)),
+            insecure=bool(extra.get("insecure", False)),
         )
+        PrefillAllowList(settings.prefill_allow)  # raises on a bad entry
+        if not settings.insecure and deployment_secret() is None and not _loopback(settings.host):
+            raise ValueError(f"host {settings.host} is reachable from other machines and KVFERRY_SECRET is not set: "
+                             "set it on every P and D (docs/security.md), or \"insecure\": true on an isolated network")
+        if settings.insecure and deployment_secret() is None:
+            log.warning("kvferry: insecure: control and data planes on %s are unauthenticated", settings.host)
         if settings.staging not in cls.STAGING:
             raise ValueError(f"staging must be one of {sorted(cls.STAGING)}, not {settings.staging!r}")
         if settings.heartbeat_interval_s <= 0 or settings.heartbeat_timeout_s < 0:
@@ -143,6 +157,7 @@ class KVFerrySettings:
             faults=FaultSpec.parse(self.faults),
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            prefill_allow=self.prefill_allow,
         )
 
 
@@ -477,3 +492,10 @@ def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
 
 
 __all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerrySettings", "KVFerryWorkerMetadata"]
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
