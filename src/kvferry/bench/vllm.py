@@ -32,7 +32,7 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
-from kvferry.harness.processes import free_port
+from kvferry.harness.processes import HARNESS_SECRET, free_port
 from kvferry.transfer.netns import loopback_up, unshare_prefix
 
 LOOPBACK = "127.0.0.1"
@@ -40,8 +40,9 @@ LOOPBACK = "127.0.0.1"
 # the engine core process (vLLM's CPU platform keeps its uniprocess executor for one worker only with
 # VLLM_ENABLE_V1_MULTIPROCESSING=0). A separate worker process spin-waits on shared memory for 1 s after
 # every step, and several servers' spinning starved each other on 2 cores (docs/vllm.md).
+# KVFERRY_SECRET: KVFerryConnector's P and D authenticate their control and data planes, as deployed.
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVFERRY_SECRET": HARNESS_SECRET}
 COMMON = ["--host", LOOPBACK, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
 KILL_WAIT_CAP_S = 60.0  # MooncakeConnector's own timeouts are 480 s + 60 s: we stop waiting here
 _IN_NETNS = "KVFERRY_BENCH_NETNS"
