@@ -33,7 +33,7 @@ VENV=${KVFERRY_GPU_VENV:-/tmp/kvferry-gpu-venv}
 # need at versions that image may not have. Pure Python except msgspec, pyzmq and pydantic-core.
 CARRIED="msgspec==0.23.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4
 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-annotated-doc==0.0.7 uvicorn==0.55.0 anyio==4.16.0 h11==0.16.0 click==8.5.1"
+annotated-doc==0.0.7 uvicorn==0.55.0 anyio==4.16.0 h11==0.16.0 click==8.5.1 opentelemetry-api==1.45.2"
 # Everything kvferry's connector and these tests import.
 NEEDED="numpy msgspec zmq fastapi uvicorn httpx xxhash prometheus_client rich pytest pytest_timeout torch"
 start=$(date +%s)
