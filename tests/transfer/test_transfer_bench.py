@@ -12,3 +12,5 @@ def test_bench_memcpy_and_tcp_verify_and_report() -> None:
         assert gbps > 0 and cpu >= 0
     for gbps, cpu in bench.bench_tcp(cases, reps=2, div=1, seed=0):
         assert gbps > 0 and cpu > 0
+    modes = bench.bench_tcp_modes(cases, reps=1, div=1, seed=0, modes={"tcp": None, "tcp+auth": "s"})
+    assert all(gbps > 0 for mode in modes.values() for gbps, _ in mode)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -10,6 +9,8 @@ from collections.abc import Callable
 import numpy as np
 
 from kvferry.transfer import wire
+from kvferry.transfer.tcp_auth import Tags
+from kvferry.transfer.tcp_handshake import client_handshake
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
@@ -35,17 +36,28 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
+def raw_session(
+    address: str, secret: bytes | None = None, source: str = ""
+) -> tuple[socket.socket, Tags | None]:
+    """A connection that passed the handshake (from `source` IP if given), and its tagging state."""
+    sock = socket.create_connection(
+        parse(address), timeout=10, source_address=(source, 0) if source else None
+    )
+    tags = client_handshake(sock, address, secret, time.monotonic() + 10)
+    sock.settimeout(10)
+    return sock, tags
+
+
 def raw_connect(address: str, secret: bytes | None = None, handshake: bool = True) -> socket.socket:
-    sock = socket.create_connection(parse(address), timeout=10)
     if handshake:
-        _, _, _, snonce = wire.HELLO.unpack(recv_exact(sock, wire.HELLO.size))
-        cnonce = os.urandom(16)
-        mac = wire.client_mac(secret, snonce, cnonce) if secret else bytes(32)
-        flags = wire.FLAG_AUTH if secret else 0
-        sock.sendall(wire.AUTH.pack(wire.AUTH_MAGIC, wire.VERSION, flags, cnonce, mac))
-        _, status, _ = wire.AUTH_RESULT.unpack(recv_exact(sock, wire.AUTH_RESULT.size))
-        assert status == 0
-    return sock
+        return raw_session(address, secret)[0]
+    return socket.create_connection(parse(address), timeout=10)
+
+
+def read_hello(sock: socket.socket) -> bytes:
+    """The server's HELLO and its address, as raw bytes."""
+    head = recv_exact(sock, wire.HELLO.size)
+    return head + recv_exact(sock, wire.HELLO.unpack(head)[3])
 
 
 def message(token: str, ops: list[tuple[str, int, int]], ttl_ms: int = 10_000) -> bytes:

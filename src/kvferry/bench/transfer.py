@@ -3,6 +3,8 @@
 - memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit).
 - tcp: sender in this process, receiver in a subprocess (`kvferry.transfer.peer`), so the two sides
   do not share a GIL; CPU time is the sum of both processes.
+- tcp+auth: the same with a shared secret (every message tagged and verified, see `transfer.mac`);
+  its repetitions alternate with tcp's, so both see the same load; `x_tcp` is auth ÷ unauthenticated.
 - mooncake: both engines in one subprocess inside a private network namespace (its listeners bind
   every interface); skipped when it is not installed or no namespace can be made.
 Block ids are random permutations on both sides; every byte is verified with xxh3 outside the timed
@@ -12,6 +14,7 @@ part; GB/s is the median over repetitions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,6 +43,8 @@ REGION = 64 * MiB
 
 Case = tuple[str, int, int]
 Result = tuple[float, float]  # median GB/s, CPU seconds per GiB
+Sample = tuple[float, float, int]  # seconds, CPU seconds, bytes of one verified repetition
+BENCH_SECRET = "kvferry-bench-secret"
 
 
 def _scale(quick: bool) -> tuple[int, int]:
@@ -65,15 +70,14 @@ def _digest(mem: np.ndarray, bs: int, ids: np.ndarray) -> str:
     return str(h.hexdigest())
 
 
-def _measure(reps: int, once: Callable[[], tuple[float, float, int]]) -> Result:
+def _summary(samples: list[Sample]) -> Result:
+    speeds = [n / dt / 1e9 for dt, _, n in samples]
+    return statistics.median(speeds), sum(c for _, c, _ in samples) / (sum(n for _, _, n in samples) / GiB)
+
+
+def _measure(reps: int, once: Callable[[], Sample]) -> Result:
     """`once` returns (seconds, cpu seconds, bytes) of one verified repetition."""
-    speeds, cpu, nbytes = [], 0.0, 0
-    for _ in range(reps):
-        dt, dcpu, n = once()
-        speeds.append(n / dt / 1e9)
-        cpu += dcpu
-        nbytes += n
-    return statistics.median(speeds), cpu / (nbytes / GiB)
+    return _summary([once() for _ in range(reps)])
 
 
 def bench_memcpy(case: Case, reps: int, div: int, seed: int) -> Result:
@@ -94,36 +98,57 @@ def bench_memcpy(case: Case, reps: int, div: int, seed: int) -> Result:
     return _measure(reps, once)
 
 
-def bench_tcp(cases: list[Case], reps: int, div: int, seed: int) -> list[Result]:
+def bench_tcp(cases: list[Case], reps: int, div: int, seed: int, secret: str | None = None) -> list[Result]:
+    return bench_tcp_modes(cases, reps, div, seed, {"tcp": secret})["tcp"]
+
+
+def bench_tcp_modes(
+    cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None]
+) -> dict[str, list[Result]]:
+    """One sender engine and one receiver process per mode (name → secret or None); per case the
+    modes' repetitions alternate, so a noisy box loads them alike."""
     from kvferry.transfer.peer import PeerProcess
     from kvferry.transfer.tcp import TcpTransferEngine
 
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, REGION, np.uint8)
-    out = []
-    with TcpTransferEngine() as engine, PeerProcess(REGION) as peer:
-        engine.register("src", src)
+    env = {k: v for k, v in os.environ.items() if k != "KVFERRY_SECRET"}
+    out: dict[str, list[Result]] = {m: [] for m in modes}
+    with contextlib.ExitStack() as stack:
+        ends = {}
+        for mode, secret in modes.items():
+            engine = stack.enter_context(TcpTransferEngine(secret=secret or b""))
+            peer_env = {**env, "KVFERRY_SECRET": secret} if secret else env
+            peer = stack.enter_context(PeerProcess(REGION, env=peer_env))
+            engine.register("src", src)
+            ends[mode] = (engine, peer)
+
+        def once(mode: str, bs: int, si: np.ndarray, di: np.ndarray) -> Sample:
+            engine, peer = ends[mode]
+            ops = [
+                WriteOp("src", s * bs, "dst", d * bs, bs)
+                for s, d in zip(si.tolist(), di.tolist(), strict=True)
+            ]
+            peer.call("fill", value=0)
+            token = peer.grant([ByteRange("dst", 0, REGION)])
+            pc0 = peer.call("stats")["cpu"]
+            c0, t0 = time.process_time(), time.perf_counter()
+            engine.write(peer.address, token, ops, time.monotonic() + 60)
+            t1, c1 = time.perf_counter(), time.process_time()
+            pc1 = peer.call("stats")["cpu"]
+            peer.close_grant(token)
+            pieces = [(d * bs, bs) for d in di.tolist()]
+            assert peer.digest(pieces) == _digest(src, bs, si), f"{mode} bytes differ"
+            return t1 - t0, (c1 - c0) + (pc1 - pc0), bs * len(si)
+
         for case in cases:
-
-            def once(case: Case = case) -> tuple[float, float, int]:
+            samples: dict[str, list[Sample]] = {m: [] for m in modes}
+            for _ in range(reps):
                 bs, si, di = _plan(case, div, rng)
-                ops = [
-                    WriteOp("src", s * bs, "dst", d * bs, bs)
-                    for s, d in zip(si.tolist(), di.tolist(), strict=True)
-                ]
-                peer.call("fill", value=0)
-                token = peer.grant([ByteRange("dst", 0, REGION)])
-                pc0 = peer.call("stats")["cpu"]
-                c0, t0 = time.process_time(), time.perf_counter()
-                engine.write(peer.address, token, ops, time.monotonic() + 60)
-                t1, c1 = time.perf_counter(), time.process_time()
-                pc1 = peer.call("stats")["cpu"]
-                peer.close_grant(token)
-                pieces = [(d * bs, bs) for d in di.tolist()]
-                assert peer.digest(pieces) == _digest(src, bs, si), "tcp bytes differ"
-                return t1 - t0, (c1 - c0) + (pc1 - pc0), bs * len(si)
-
-            out.append(_measure(reps, once))
+                for mode in modes:
+                    samples[mode].append(once(mode, bs, si, di))
+            for mode in modes:
+                out[mode].append(_summary(samples[mode]))
     return out
 
 
@@ -196,7 +221,7 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     cases: list[Case] = list(LAYOUTS)
     results: dict[str, list[Result]] = {
         "memcpy": [bench_memcpy(c, reps, div, seed) for c in cases],
-        "tcp": bench_tcp(cases, reps, div, seed),
+        **bench_tcp_modes(cases, reps, div, seed, {"tcp": None, "tcp+auth": BENCH_SECRET}),
     }
     mc, why = bench_mooncake(cases, reps, div, seed)
     if mc is not None:
@@ -213,6 +238,7 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
                     "GB/s": round(gbps, 3),
                     "cpu_s_per_gib": round(cpu, 3),
                     "x_memcpy": round(gbps / results["memcpy"][i][0], 3),
+                    "x_tcp": round(gbps / results["tcp"][i][0], 3) if backend == "tcp+auth" else None,
                     "x_mooncake": round(gbps / mc[i][0], 2) if mc is not None else None,
                 }
             )

@@ -8,13 +8,22 @@ COUNTERS = (
     "accepted_writes",  # messages whose every byte landed
     "rejected_writes",  # messages refused: no grant, closed grant, out of range, unknown region
     "refused_handshakes",  # wrong or missing secret
+    "misdirected_handshakes",  # with a secret: the client dialed another address (a relay)
+    "handshake_timeouts",  # no complete handshake within Limits.handshake_timeout
     "protocol_errors",  # malformed or truncated frames; the connection was closed
+    "oversized_frames",  # (also a protocol error) more ops or meta than the limits allow
+    "bad_tags",  # (also a protocol error) with a secret: a message whose tag did not verify
+    "frame_timeouts",  # a message not complete in time (frame timeout, clamped ttl); closed
     "incomplete_writes",  # connection broke or stalled mid-payload
+    "idle_closed",  # connections closed after Limits.idle_timeout without a message
+    "refused_connections",  # over Limits.max_connections or max_connections_per_ip; closed at once
     "bytes_received",
     "connections_accepted",
     "writes_ok",  # sender side
     "writes_failed",
     "connections_opened",
+    "idle_retired",  # sender: pooled connections closed after Limits.client_idle unused
+    "stale_retries",  # sender: a pooled connection was found closed before any reply; retried once
     "bytes_sent",  # sender side, updated per sendmsg call (tests watch it to see a write in flight)
 )
 

@@ -3,8 +3,12 @@
 Sender (`write`): ops are coalesced, split into messages and sent with `sendmsg` over memoryviews of
 the registered source memory; the call returns once the receiver acknowledged every message.
 Receiver: a listener thread plus one thread per connection; bytes land only inside an open grant
-(see `tcp_server` for how `close_grant` fences writers). With a shared secret (argument or env
-KVFERRY_SECRET) both ends prove knowledge of it (HMAC challenge-response) before any write.
+(see `tcp_conn` for how `close_grant` fences writers). What a stranger can make it spend is capped
+(`tcp_limits`: connections in total and per IP, handshake, idle and frame deadlines, clamped ttl,
+frame sizes). With a shared secret (argument or env KVFERRY_SECRET) both ends prove knowledge of it
+in a handshake bound to both nonces and both addresses, and every message and reply carries a tag
+under a per-connection key (`tcp_auth`, `mac`): a relayed handshake or an altered byte is refused, and
+an authenticated message counts as written only once its tag verified.
 """
 
 from __future__ import annotations
@@ -19,31 +23,52 @@ from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, Tran
 from kvferry.transfer.grants import GrantTable
 from kvferry.transfer.regions import RegionTable
 from kvferry.transfer.tcp_client import TcpClient
+from kvferry.transfer.tcp_limits import Limits
 from kvferry.transfer.tcp_server import TcpServer
 
 
 class TcpTransferEngine(TransferEngine):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | bytes | None = None,
+        *,
+        advertise: str | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind)."""
         if secret is None:
             secret = os.environ.get("KVFERRY_SECRET") or None
-        key = secret.encode() if isinstance(secret, str) else secret
+        key = (secret.encode() if isinstance(secret, str) else secret) or None
+        self._auth = key is not None
         self._regions = RegionTable()
         self._grants = GrantTable(self._regions)
-        self._server = TcpServer(host, port, key, self._regions, self._grants)
+        self._server = TcpServer(host, port, key, self._regions, self._grants, limits, advertise)
         self._counters = self._server.stats
-        self._client = TcpClient(key, self._counters)
+        self._client = TcpClient(key, self._counters, limits)
         self._closed = False
         self._close_lock = threading.Lock()
 
     @property
     def address(self) -> str:
+        return self._server.advertised
+
+    @property
+    def bound_address(self) -> str:
+        """Where the listener is bound (differs from `address` when `advertise` was given)."""
         host = f"[{self._server.host}]" if ":" in self._server.host else self._server.host
         return f"{host}:{self._server.port}"
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: rejected_writes, refused_handshakes, protocol_errors, bytes_received, ..."""
+        """Counters (`stats.COUNTERS`): rejected_writes, refused_connections, bad_tags, ..."""
         return self._counters.snapshot()
+
+    @property
+    def connections(self) -> int:
+        """Data-plane connections the receiver holds now."""
+        return self._server.connections
 
     def register(self, name: str, buffer: Any) -> None:
         self._check_open()
@@ -65,7 +90,7 @@ class TcpTransferEngine(TransferEngine):
 
     def write(self, peer: str, token: str, ops: Sequence[WriteOp], deadline: float) -> None:
         self._check_open()
-        messages = tcp_plan.plan(self._regions, token, ops, deadline)
+        messages = tcp_plan.plan(self._regions, token, ops, deadline, self._auth)
         if messages:
             self._client.write(peer, messages, deadline)
 

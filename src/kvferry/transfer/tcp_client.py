@@ -2,6 +2,10 @@
 
 Every socket call gets a timeout computed from the caller's deadline. A connection that saw any error
 is closed, never returned to the pool, so the next write to that peer starts from a fresh connection.
+A pooled connection is used only while younger (idle) than `Limits.client_idle`, half the server's
+idle timeout; one that turns out closed by the server before any reply came (a broken pipe, or EOF
+before any reply) is replaced once by a fresh connection and the write sent again: writes are
+idempotent, and the server only closes between messages.
 """
 
 from __future__ import annotations
@@ -10,154 +14,154 @@ import bisect
 import contextlib
 import hmac
 import itertools
-import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 
 from kvferry.transfer import wire
 from kvferry.transfer.base import TransferError, TransferErrorCause
 from kvferry.transfer.stats import Counters
+from kvferry.transfer.tcp_auth import Tags
+from kvferry.transfer.tcp_handshake import client_handshake, recv_exact, remaining
+from kvferry.transfer.tcp_limits import Limits
 from kvferry.transfer.tcp_plan import Message
 
 E = TransferErrorCause
 MAX_IDLE_PER_PEER = 8
 
 
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransferError(E.TIMEOUT, "deadline passed")
-    return left
+@dataclass(eq=False)
+class _Link:
+    sock: socket.socket
+    tags: Tags | None = None  # with a secret: this connection's tagging state
+    idle_since: float = field(default_factory=time.monotonic)
+    pooled: bool = False  # came from the pool (was idle) for the current write
+    aborted: bool = False  # shut down by abort()/close(): its failure is final, never retried
+
+
+class _Stale(Exception):
+    """A pooled connection the server had closed before this write reached it."""
 
 
 class TcpClient:
-    def __init__(self, secret: bytes | None, stats: Counters) -> None:
+    def __init__(self, secret: bytes | None, stats: Counters, limits: Limits | None = None) -> None:
         self._secret = secret
         self._stats = stats
+        self._limits = limits or Limits()
         self._lock = threading.Lock()
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._busy: dict[socket.socket, str] = {}  # socket → peer, from connect until release
+        self._idle: dict[str, list[_Link]] = {}
+        self._busy: dict[_Link, str] = {}  # link → peer, from connect until release
         self._closed = False
 
     # -- pool -----------------------------------------------------------------------------------
-    def _acquire(self, peer: str, deadline: float) -> socket.socket:
+    def _acquire(self, peer: str, deadline: float) -> _Link:
         while True:
             with self._lock:
                 if self._closed:
                     raise TransferError(E.CLOSED, "engine closed")
                 idle = self._idle.get(peer)
-                sock = idle.pop() if idle else None
-                if sock is not None:
-                    self._busy[sock] = peer
-            if sock is None:
+                link = idle.pop() if idle else None
+                if link is not None:
+                    self._busy[link] = peer
+            if link is None:
                 break
-            if _healthy(sock):
-                return sock
-            self._discard(sock)
-        sock = self._connect(peer, deadline)
-        with self._lock:
-            if self._closed:
-                sock.close()
-                raise TransferError(E.CLOSED, "engine closed")
-            self._busy[sock] = peer
-        return sock
+            if time.monotonic() - link.idle_since > self._limits.client_idle:
+                self._stats.add("idle_retired")  # the server may be about to close it
+            elif _healthy(link.sock):
+                link.pooled = True
+                return link
+            self._discard(link)
+        return self._connect(peer, deadline)
 
-    def _release(self, peer: str, sock: socket.socket) -> None:
+    def _release(self, peer: str, link: _Link) -> None:
+        link.idle_since, link.pooled = time.monotonic(), False
         with self._lock:
-            self._busy.pop(sock, None)
+            self._busy.pop(link, None)
             idle = self._idle.setdefault(peer, [])
             if not self._closed and len(idle) < MAX_IDLE_PER_PEER:
-                idle.append(sock)
+                idle.append(link)
                 return
-        sock.close()
+        link.sock.close()
 
-    def _discard(self, sock: socket.socket) -> None:
+    def _discard(self, link: _Link) -> None:
         with self._lock:
-            self._busy.pop(sock, None)
-        sock.close()
+            self._busy.pop(link, None)
+        link.sock.close()
 
     def abort(self, peer: str) -> None:
         """Make every write to `peer` in flight (handshake included) fail now."""
         with self._lock:
-            busy = [s for s, p in self._busy.items() if p == peer]
+            busy = [k for k, p in self._busy.items() if p == peer]
             idle = self._idle.pop(peer, [])
-        for s in idle:
-            s.close()
-        for s in busy:  # shut down, not closed: the writing thread still owns the descriptor
+        for k in idle:
+            k.sock.close()
+        for k in busy:  # shut down, not closed: the writing thread still owns the descriptor
+            k.aborted = True
             with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+                k.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            idle = [s for socks in self._idle.values() for s in socks]
+            idle = [k for links in self._idle.values() for k in links]
             busy = list(self._busy)
             self._idle.clear()
-        for s in idle:
-            s.close()
-        for s in busy:  # shut down, not closed: the writing thread still owns the descriptor
+        for k in idle:
+            k.sock.close()
+        for k in busy:  # shut down, not closed: the writing thread still owns the descriptor
+            k.aborted = True
             with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+                k.sock.shutdown(socket.SHUT_RDWR)
 
     # -- connection -----------------------------------------------------------------------------
-    def _connect(self, peer: str, deadline: float) -> socket.socket:
+    def _connect(self, peer: str, deadline: float) -> _Link:
         host, _, port = peer.rpartition(":")
         try:
             addr = (host.strip("[]"), int(port))
         except ValueError as e:
             raise TransferError(E.INVALID, f"bad peer address {peer!r}") from e
         try:
-            sock = socket.create_connection(addr, timeout=_remaining(deadline))
+            sock = socket.create_connection(addr, timeout=remaining(deadline))
         except TimeoutError as e:
             raise TransferError(E.TIMEOUT, f"connect to {peer} timed out") from e
         except OSError as e:
             raise TransferError(E.REFUSED, f"connect to {peer}: {e}") from e
+        link = _Link(sock)
         with self._lock:
-            self._busy[sock] = peer  # from here on `abort(peer)` reaches it
+            if self._closed:
+                sock.close()
+                raise TransferError(E.CLOSED, "engine closed")
+            self._busy[link] = peer  # from here on `abort(peer)` reaches it
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._handshake(sock, peer, deadline)
+            link.tags = client_handshake(sock, peer, self._secret, deadline)
         except TimeoutError as e:  # e.g. a frozen peer: the kernel accepted, the process never answers
-            self._discard(sock)
+            self._discard(link)
             raise TransferError(E.TIMEOUT, f"handshake with {peer} timed out") from e
         except (EOFError, OSError) as e:
-            self._discard(sock)
+            self._discard(link)
+            if self._closed:
+                raise TransferError(E.CLOSED, "engine closed") from e
             raise TransferError(E.REFUSED, f"handshake with {peer} failed: {e or 'closed'}") from e
         except BaseException:
-            self._discard(sock)
+            self._discard(link)
             raise
         self._stats.add("connections_opened")
-        return sock
-
-    def _handshake(self, sock: socket.socket, peer: str, deadline: float) -> None:
-        magic, version, flags, snonce = wire.HELLO.unpack(_recv_exact(sock, wire.HELLO.size, deadline))
-        if magic != wire.HELLO_MAGIC or version != wire.VERSION:
-            raise TransferError(E.PROTOCOL, f"{peer} is not a kvferry endpoint")
-        cnonce = os.urandom(16)
-        mac = wire.client_mac(self._secret, snonce, cnonce) if self._secret else bytes(32)
-        cflags = wire.FLAG_AUTH if self._secret else 0
-        _send_all(sock, wire.AUTH.pack(wire.AUTH_MAGIC, wire.VERSION, cflags, cnonce, mac), deadline)
-        magic, status, smac = wire.AUTH_RESULT.unpack(_recv_exact(sock, wire.AUTH_RESULT.size, deadline))
-        if magic != wire.RESULT_MAGIC:
-            raise TransferError(E.PROTOCOL, f"{peer} sent a bad handshake reply")
-        if status != 0:
-            raise TransferError(E.REFUSED, f"{peer} refused the handshake (wrong or missing secret)")
-        if self._secret and not (
-            flags & wire.FLAG_AUTH
-            and hmac.compare_digest(smac, wire.server_mac(self._secret, snonce, cnonce))
-        ):
-            raise TransferError(E.REFUSED, f"{peer} could not prove it knows the secret")
+        return link
 
     # -- write ----------------------------------------------------------------------------------
     def write(self, peer: str, messages: list[Message], deadline: float) -> None:
-        sock = self._acquire(peer, deadline)
+        link = self._acquire(peer, deadline)
         ok = False
         try:
-            for msg in messages:
-                self._send_message(sock, msg, deadline)
-            for _ in messages:
-                self._read_reply(sock, peer, deadline)
+            try:
+                self._write_on(link, peer, messages, deadline)
+            except _Stale:
+                self._stats.add("stale_retries")
+                self._discard(link)
+                link = self._connect(peer, deadline)
+                self._write_on(link, peer, messages, deadline)
             ok = True
         except TimeoutError as e:
             raise TransferError(E.TIMEOUT, f"write to {peer} passed its deadline") from e
@@ -167,52 +171,75 @@ class TcpClient:
             raise TransferError(E.RESET, f"connection to {peer} broke: {e or 'closed by peer'}") from e
         finally:
             if ok:
-                self._release(peer, sock)
+                self._release(peer, link)
             else:
-                self._discard(sock)
+                self._discard(link)
             self._stats.add("writes_ok" if ok else "writes_failed")
 
-    def _send_message(self, sock: socket.socket, msg: Message, deadline: float) -> None:
+    def _write_on(self, link: _Link, peer: str, messages: list[Message], deadline: float) -> None:
+        replies = 0
+        try:
+            for msg in messages:
+                self._send_message(link, msg, deadline)
+            for _ in messages:
+                self._read_reply(link, peer, deadline)
+                replies += 1
+        except (BrokenPipeError, EOFError) as e:
+            # The server closed this idle connection before our bytes came (it never closes mid-message
+            # without a reply): nothing of this write was taken, so it may go again on a fresh one.
+            if link.pooled and not replies and not link.aborted and not self._closed:
+                raise _Stale() from e
+            raise
+
+    def _send_message(self, link: _Link, msg: Message, deadline: float) -> None:
+        sock, tags = link.sock, link.tags
         base: list[memoryview] = [memoryview(msg.head), *msg.views]
         bufs = list(base)  # bufs[i] is re-sliced after a partial send
         ends = list(itertools.accumulate(len(b) for b in base))
+        addrs, hashed = msg.addrs or [], 1
+        if tags is not None:  # the tag covers header + meta + payload, under the next sequence number
+            assert msg.addrs is not None, "planned without auth"
+            mac = tags.send
+            mac.start(tags.sent)
+            tags.sent += 1
+            mac.update(msg.head)
         i = pos = 0
         while i < len(bufs):
-            sock.settimeout(_remaining(deadline))
-            sent = sock.sendmsg(bufs[i : i + wire.IOV_BATCH])
+            j = i + wire.IOV_BATCH
+            if tags is not None:  # hash the next batch, then send it while it is in cache
+                j = wire.tag_batch_end(ends, i, pos)
+                if j > hashed:
+                    mac.update_pieces(base[hashed:j], addrs[hashed - 1 : j - 1])
+                    hashed = j
+            sock.settimeout(remaining(deadline))
+            sent = sock.sendmsg(bufs[i:j])
             self._stats.add("bytes_sent", sent)
             pos += sent
             i = bisect.bisect_right(ends, pos, i)  # O(log n) per call, not O(buffers)
             partial = pos - (ends[i - 1] if i else 0)
             if partial:
                 bufs[i] = base[i][partial:]
+        if tags is not None:
+            sock.settimeout(remaining(deadline))
+            sock.sendall(mac.finish())
 
-    def _read_reply(self, sock: socket.socket, peer: str, deadline: float) -> None:
-        magic, status, code, n = wire.REPLY.unpack(_recv_exact(sock, wire.REPLY.size, deadline))
+    def _read_reply(self, link: _Link, peer: str, deadline: float) -> None:
+        raw = recv_exact(link.sock, wire.REPLY.size, deadline)
+        magic, status, code, n = wire.REPLY.unpack(raw)
         if magic != wire.REPLY_MAGIC:
             raise TransferError(E.PROTOCOL, f"{peer} sent a malformed reply")
-        reason = _recv_exact(sock, n, deadline).decode(errors="replace") if n else ""
+        raw += recv_exact(link.sock, n, deadline) if n else b""
+        reason = raw[wire.REPLY.size :].decode(errors="replace")
+        tags = link.tags
+        if tags is not None:  # an OK (or any answer) counts only from the server this session proved
+            tag = recv_exact(link.sock, wire.TAG_BYTES, deadline)
+            good = hmac.compare_digest(tags.recv.tag(tags.received, raw), tag)
+            tags.received += 1
+            if not good:
+                raise TransferError(E.PROTOCOL, f"{peer} sent a reply that failed authentication")
         if status != wire.Status.OK:
             cause = E.REJECTED if status == wire.Status.REJECTED else E.PROTOCOL
             raise TransferError(cause, f"{peer}: {reason or f'code {code}'}")
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    mv = memoryview(buf)
-    got = 0
-    while got < n:
-        sock.settimeout(_remaining(deadline))
-        k = sock.recv_into(mv[got:])
-        if k == 0:
-            raise EOFError("connection closed")
-        got += k
-    return bytes(buf)
-
-
-def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
-    sock.settimeout(_remaining(deadline))
-    sock.sendall(data)
 
 
 def _healthy(sock: socket.socket) -> bool:

@@ -1,7 +1,9 @@
 """Turn a write's ops into wire messages: validate, coalesce adjacent runs, split, make iovecs.
 
 Vectorised with numpy: this runs once per write over thousands of small ops (the 2 KiB block case),
-and a per-op Python loop cost more than the bytes themselves.
+and a per-op Python loop cost more than the bytes themselves. A message holds at most `wire.MSG_OPS`
+ops and `wire.MSG_BYTES` payload bytes (`wire.AUTH_MSG_BYTES` when authenticated: the receiver counts
+an authenticated message only once all of it verified, so smaller ones keep progress fine-grained).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Message:
     head: bytes
     views: list[memoryview]
     payload: int
+    addrs: list[int] | None = None  # with auth: where each view's bytes start in memory (for the tag)
 
 
 def _index(names: list[str]) -> tuple[list[str], np.ndarray]:
@@ -36,7 +39,32 @@ def _index(names: list[str]) -> tuple[list[str], np.ndarray]:
     return uniq, np.array([pos[n] for n in names], np.int64)
 
 
-def plan(regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: float) -> list[Message]:
+def _cut(
+    so: np.ndarray, do: np.ndarray, ln: np.ndarray, sid: np.ndarray, did: np.ndarray, cap: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Ops longer than `cap` cut into pieces of at most `cap` bytes, in order."""
+    reps = (ln + cap - 1) // cap
+    idx = np.repeat(np.arange(len(ln)), reps)
+    k = (np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)) * cap  # piece start within op
+    return so[idx] + k, do[idx] + k, np.minimum(ln[idx] - k, cap), sid[idx], did[idx]
+
+
+def _bounds(ln: np.ndarray, max_ops: int, max_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) op ranges of the messages: at most `max_ops` ops and (ops permitting) `max_bytes`."""
+    ends = np.cumsum(ln)
+    out, a = [], 0
+    while a < len(ln):
+        base = int(ends[a - 1]) if a else 0
+        b = int(np.searchsorted(ends, base + max_bytes, side="right"))
+        b = min(max(b, a + 1), a + max_ops)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def plan(
+    regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: float, auth: bool = False
+) -> list[Message]:
     try:
         raw_token = wire.token_bytes(token)
     except ValueError as e:
@@ -71,10 +99,13 @@ def plan(regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: flo
             starts = np.flatnonzero(np.concatenate(([True], ~cont)))
             ln = np.add.reduceat(ln, starts)
             so, do, sid, did = so[starts], do[starts], sid[starts], did[starts]
+    max_bytes = wire.AUTH_MSG_BYTES if auth else wire.MSG_BYTES
+    if len(ln) and int(ln.max()) > max_bytes:
+        so, do, ln, sid, did = _cut(so, do, ln, sid, did, max_bytes)
     ttl_ms = max(0, min(int((deadline - time.monotonic()) * 1000) + 1, 0xFFFFFFFF))
+    addrs = np.array([r.addr for r in src], np.int64)[sid] + so if auth else None
     messages = []
-    for a in range(0, len(ln), wire.MSG_OPS):
-        b = a + wire.MSG_OPS
+    for a, b in _bounds(ln, wire.MSG_OPS, max_bytes):
         meta = wire.encode_meta(dnames, did[a:b], do[a:b], ln[a:b])
         payload = int(ln[a:b].sum())
         n = len(ln[a:b])
@@ -86,5 +117,8 @@ def plan(regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: flo
         else:
             mvs = [r.view for r in src]
             views = [mvs[s][o : o + k] for s, o, k in zip(sid[a:b].tolist(), offs, lens, strict=True)]
-        messages.append(Message(head + meta, views, payload))
+        msg = Message(head + meta, views, payload)
+        if addrs is not None:
+            msg.addrs = addrs[a:b].tolist()
+        messages.append(msg)
     return messages

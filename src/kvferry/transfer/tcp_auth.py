@@ -1,0 +1,81 @@
+"""Key schedule of the authenticated TCP data plane (when a shared secret is set).
+
+The handshake transcript holds both nonces, both flag bytes, the address the client dialed (as the
+client spells it: the `peer` of `write`) and the address the server advertises (what its
+`TcpTransferEngine.address` returns), both in canonical form. From secret and transcript, HKDF
+(RFC 5869 over HMAC-SHA256; salt = both nonces) derives the two handshake proofs and one tag key per
+direction. So a proof made for one connection, one listener or one dialed address is worth nothing
+anywhere else: an attacker that P dials and that relays P's handshake to a real kvferry listener
+fails (the listener refuses an address that is not its own, and the proofs cover both addresses),
+and every later message and reply carries a tag under this connection's key and its sequence number
+(`mac`), so a spliced, replayed, reordered or altered frame is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass, field
+
+from kvferry.transfer import mac, wire
+
+_INFO = b"kvferry/2 data plane "
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    gmac: bool
+    client_proof: bytes = field(repr=False)
+    server_proof: bytes = field(repr=False)
+    c2s_key: bytes = field(repr=False)  # tags of write messages
+    s2c_key: bytes = field(repr=False)  # tags of replies
+
+
+def transcript(sflags: int, cflags: int, snonce: bytes, cnonce: bytes, dialed: str, server: str) -> bytes:
+    d, s = dialed.encode(), server.encode()
+    return b"".join(
+        [
+            struct.pack("<BBB", wire.VERSION, sflags, cflags),
+            snonce,
+            cnonce,
+            struct.pack("<H", len(d)),
+            d,
+            struct.pack("<H", len(s)),
+            s,
+        ]
+    )
+
+
+def derive(secret: bytes, snonce: bytes, cnonce: bytes, record: bytes, gmac: bool) -> Session:
+    prk = hmac.digest(snonce + cnonce, secret, "sha256")  # HKDF-Extract
+    th = hashlib.sha256(record).digest()
+
+    def expand(label: bytes) -> bytes:  # HKDF-Expand, one block (32 bytes)
+        return hmac.digest(prk, _INFO + label + th + b"\x01", "sha256")
+
+    return Session(
+        gmac, expand(b"client proof"), expand(b"server proof"), expand(b"c2s tag key"), expand(b"s2c tag key")
+    )
+
+
+def gmac_flag() -> int:
+    return wire.FLAG_GMAC if mac.GMAC_AVAILABLE else 0
+
+
+@dataclass(slots=True)
+class Tags:
+    """One connection's tagging state: outgoing and incoming MAC and their sequence numbers."""
+
+    send: mac.Mac
+    recv: mac.Mac
+    sent: int = 0  # sequence number of the next frame this side sends
+    received: int = 0  # ... and of the next one it receives
+
+    @classmethod
+    def for_client(cls, s: Session) -> Tags:
+        return cls(mac.new_mac(s.c2s_key, s.gmac), mac.new_mac(s.s2c_key, s.gmac))
+
+    @classmethod
+    def for_server(cls, s: Session) -> Tags:
+        return cls(mac.new_mac(s.s2c_key, s.gmac), mac.new_mac(s.c2s_key, s.gmac))
