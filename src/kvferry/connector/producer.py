@@ -106,9 +106,11 @@ class Producer:
 
     def cancel(self, writes: list[Write]) -> None:
         """Writes whose lease ran out: make them fail now (their D stopped heartbeating)."""
-        for p_rank, peer in {(w.p_rank, w.peer) for w in writes}:
-            log.debug("lease lost: cancelling writes of P rank %d to %s", p_rank, peer)
-            self.engines[p_rank].abort_writes(peer)
+        # Each write by its grant: a healthy transfer's write to the same D must go on (and one that
+        # starts after this sweep is never cut by it).
+        for w in writes:
+            log.debug("lease lost: cancelling the write of P rank %d to %s for %s", w.p_rank, w.peer, w.transfer_id)
+            self.engines[w.p_rank].abort_writes(w.peer, w.token)
 
     def _pairs(self, d_tp: int) -> set[tuple[int, int]]:
         """(P rank, D rank) pairs that share heads: a transfer is done when each was served."""

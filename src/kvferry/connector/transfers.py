@@ -37,6 +37,7 @@ class Write:
     d_rank: int
     d_tp: int
     peer: str  # D rank's transfer address (where the write goes)
+    token: str = ""  # D's grant for this write: cancelling it cancels nothing else
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ class TransferTable:
                 self.doom(t, "failed")
                 return Verdict("short", "P num blocks less than D")
             t.d_tp = pull.d_tp_size
-            w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr)
+            w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr, pull.grant_token)
             t.writes.add(w)
             return Verdict("write", write=w, blocks=list(t.block_ids))
 

@@ -88,8 +88,9 @@ class TransferEngine(abc.ABC):
         never later than the deadline (plus scheduling slack).
         """
 
-    def abort_writes(self, peer: str) -> None:  # noqa: B027 (optional: a no-op is correct)
-        """Best effort: make writes to `peer` in flight fail now rather than at their deadline."""
+    def abort_writes(self, peer: str, token: str | None = None) -> None:  # noqa: B027 (optional: a no-op is correct)
+        """Best effort: make the write to `peer` for grant `token` (all writes to `peer` when None) in
+        flight fail now rather than at its deadline."""
 
     @property
     def tracks_progress(self) -> bool:

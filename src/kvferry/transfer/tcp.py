@@ -92,10 +92,10 @@ class TcpTransferEngine(TransferEngine):
         self._check_open()
         messages = tcp_plan.plan(self._regions, token, ops, deadline, self._auth)
         if messages:
-            self._client.write(peer, messages, deadline)
+            self._client.write(peer, messages, deadline, token)
 
-    def abort_writes(self, peer: str) -> None:
-        self._client.abort(peer)
+    def abort_writes(self, peer: str, token: str | None = None) -> None:
+        self._client.abort(peer, token)
 
     def close(self) -> None:
         with self._close_lock:

@@ -38,6 +38,7 @@ class _Link:
     idle_since: float = field(default_factory=time.monotonic)
     pooled: bool = False  # came from the pool (was idle) for the current write
     aborted: bool = False  # shut down by abort()/close(): its failure is final, never retried
+    token: str = ""  # the grant the current write goes to: abort() may cancel just that write
 
 
 class _Stale(Exception):
@@ -55,7 +56,7 @@ class TcpClient:
         self._closed = False
 
     # -- pool -----------------------------------------------------------------------------------
-    def _acquire(self, peer: str, deadline: float) -> _Link:
+    def _acquire(self, peer: str, deadline: float, token: str) -> _Link:
         while True:
             with self._lock:
                 if self._closed:
@@ -63,6 +64,7 @@ class TcpClient:
                 idle = self._idle.get(peer)
                 link = idle.pop() if idle else None
                 if link is not None:
+                    link.token = token
                     self._busy[link] = peer
             if link is None:
                 break
@@ -72,7 +74,7 @@ class TcpClient:
                 link.pooled = True
                 return link
             self._discard(link)
-        return self._connect(peer, deadline)
+        return self._connect(peer, deadline, token)
 
     def _release(self, peer: str, link: _Link) -> None:
         link.idle_since, link.pooled = time.monotonic(), False
@@ -89,11 +91,12 @@ class TcpClient:
             self._busy.pop(link, None)
         link.sock.close()
 
-    def abort(self, peer: str) -> None:
-        """Make every write to `peer` in flight (handshake included) fail now."""
+    def abort(self, peer: str, token: str | None = None) -> None:
+        """Make the write to `peer` for grant `token` (every write to `peer` when None) fail now,
+        handshake included; other transfers' writes to the same peer go on."""
         with self._lock:
-            busy = [k for k, p in self._busy.items() if p == peer]
-            idle = self._idle.pop(peer, [])
+            busy = [k for k, p in self._busy.items() if p == peer and token in (None, k.token)]
+            idle = self._idle.pop(peer, []) if token is None else []
         for k in idle:
             k.sock.close()
         for k in busy:  # shut down, not closed: the writing thread still owns the descriptor
@@ -115,7 +118,7 @@ class TcpClient:
                 k.sock.shutdown(socket.SHUT_RDWR)
 
     # -- connection -----------------------------------------------------------------------------
-    def _connect(self, peer: str, deadline: float) -> _Link:
+    def _connect(self, peer: str, deadline: float, token: str = "") -> _Link:
         host, _, port = peer.rpartition(":")
         try:
             addr = (host.strip("[]"), int(port))
@@ -127,7 +130,7 @@ class TcpClient:
             raise TransferError(E.TIMEOUT, f"connect to {peer} timed out") from e
         except OSError as e:
             raise TransferError(E.REFUSED, f"connect to {peer}: {e}") from e
-        link = _Link(sock)
+        link = _Link(sock, token=token)
         with self._lock:
             if self._closed:
                 sock.close()
@@ -151,8 +154,8 @@ class TcpClient:
         return link
 
     # -- write ----------------------------------------------------------------------------------
-    def write(self, peer: str, messages: list[Message], deadline: float) -> None:
-        link = self._acquire(peer, deadline)
+    def write(self, peer: str, messages: list[Message], deadline: float, token: str = "") -> None:
+        link = self._acquire(peer, deadline, token)
         ok = False
         try:
             try:
@@ -160,7 +163,7 @@ class TcpClient:
             except _Stale:
                 self._stats.add("stale_retries")
                 self._discard(link)
-                link = self._connect(peer, deadline)
+                link = self._connect(peer, deadline, token)
                 self._write_on(link, peer, messages, deadline)
             ok = True
         except TimeoutError as e:
