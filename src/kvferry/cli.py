@@ -35,8 +35,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-prefill-chunk", type=int, default=256,
                    help="chunked prefill: most prompt tokens one request computes per step (block-aligned; 0 = no cap)")
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
-    p.add_argument("--served-model-name", default=None,
-                   help="the name clients must send as `model` (default: the model's own name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may send as `model`, the first one reported (default: the model's own "
+                        "name, and what --model was given)")
     p.add_argument("--seed", type=int, default=0, help="tiny model: weights seed (P, D and reference must agree)")
     p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: HTTP port of the bootstrap server")
     p.add_argument("--transfer", choices=["tcp", "mooncake"], default="tcp", help="data-plane backend")
@@ -168,6 +169,9 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _check_exposure(args):
         return 2
+    if args.transfer == "mooncake" and args.role != "both":
+        print("kvferry serve: WARNING: --transfer mooncake: Mooncake TE authenticates nothing on the data plane "
+              "(docs/security.md)", file=sys.stderr, flush=True)
     try:
         allow = PrefillAllowList(args.prefill_allow or LOOPBACK)
     except ValueError as exc:
@@ -222,7 +226,8 @@ def serve(args: argparse.Namespace) -> int:
     extra = {"kv_bootstrap_addr": f"{args.host}:{args.bootstrap_port}"} if args.role == "prefill" else {}
     engine = Engine(config, scheduler_connector, worker_connector, metrics, loaded)
     engine.start()
-    who = f"kvferry serve ({args.role}, {args.served_model_name or loaded.name})"
+    names = args.served_model_name or [loaded.name, args.model]
+    who = f"kvferry serve ({args.role}, {names[0]})"
     print(f"{who}: HTTP API on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     if args.role == "prefill":
         print(f"{who}: bootstrap server on http://{args.host}:{args.bootstrap_port}", file=sys.stderr, flush=True)
@@ -233,7 +238,7 @@ def serve(args: argparse.Namespace) -> int:
         for rank, addr in enumerate(stats["transfer_addrs"]):
             print(f"{who}: data plane ({args.transfer}) of rank {rank} on {addr}", file=sys.stderr, flush=True)
     try:
-        app = build_app(engine, extra, args.served_model_name)
+        app = build_app(engine, extra, names)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.stop()

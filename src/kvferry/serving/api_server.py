@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +61,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", exc.status_code), exc.status_code)
 
 
-def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served_model_name: str | None = None) -> FastAPI:
+def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
+              served_model_names: Sequence[str] = ()) -> FastAPI:
+    """`served_model_names`: the names clients may send as `model` (as vLLM's `--served-model-name`);
+    the first is the one this instance reports. Default: the model's own name."""
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
-    model_name = served_model_name or engine.loaded.name
+    names = list(dict.fromkeys(served_model_names)) or [engine.loaded.name]
+    model_name = names[0]
     install_info_routes(app, engine, model_name, health_extra or {})
     codec: TextCodec = engine.codec
     max_len = engine.model.config.max_position
@@ -99,7 +103,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(models_body(model_name, max_len))
+        return JSONResponse(models_body(names, max_len))
 
     @app.post("/v1/completions", response_model=None, responses={**COMPLETION_200, **error_responses(400, 404, 500, 503)})
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
@@ -158,7 +162,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served
         body: CompletionRequest, http_request: Request, chat: _Chat | None, request_id: str, pd: PDRequest
     ) -> Response:
         params = pd.kv_transfer_params
-        if body.model is not None and body.model != model_name:
+        if body.model is not None and body.model not in names:
             return JSONResponse(model_not_found(body.model), status_code=404)
         if pd.sglang_room is not None and params is not None:
             try:
@@ -207,7 +211,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None, served
             engine.submit(request, sink)
         except EngineDeadError as exc:
             return _engine_dead(exc)
-        call = _Call(engine, request_id, body, stop, outputs, http_request, model_name, chat)
+        call = _Call(engine, request_id, body, stop, outputs, http_request, body.model or model_name, chat)
         return await (_stream(call) if body.stream else _complete(call))
 
     return app

@@ -64,12 +64,14 @@ class ChatCompletionRequest(BaseModel):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-def models_body(name: str, max_model_len: int) -> dict[str, Any]:
+def models_body(names: list[str], max_model_len: int) -> dict[str, Any]:
+    """One entry per served name; every one is the same model (`root`: the first name)."""
     return {
         "object": "list",
         "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvferry", "root": name,
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvferry", "root": names[0],
              "max_model_len": max_model_len}
+            for name in names
         ],
     }  # fmt: skip
 
