@@ -13,6 +13,7 @@ from kvferry.connector.auth import deployment_secret
 from kvferry.connector.base import ConnectorRole, KVConnector
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.faults import FaultSpec
+from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.pd import PDConfig, PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
@@ -48,7 +49,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--kv-load-deadline", type=float, default=60.0,
                    help="decode: no request waits for remote KV longer than this (s)")
     p.add_argument("--heartbeat-interval", type=float, default=0.25, help="D → P liveness ping period (s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5, help="P silent this long = dead; 0 = off")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5,
+                   help="P silent this long = dead on an idle box (more while P's acks come late); 0 = off")
+    p.add_argument("--heartbeat-ceiling", type=float, default=DEFAULT_CEILING_S,
+                   help="most a slow P is waited on, and most lease a lagging D asks for (s); "
+                        "<= --heartbeat-timeout: fixed thresholds")
     p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
     p.add_argument("--engine-id", default=None, help="default: <role>-<host>:<port>")
     p.add_argument("--prefill-allow", action="append", default=None, metavar="HOST_OR_CIDR",
@@ -210,6 +215,7 @@ def serve(args: argparse.Namespace) -> int:
             checksums=not args.no_checksums,
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            heartbeat_ceiling_s=args.heartbeat_ceiling,
             prefill_allow=tuple(allow.entries),
         )
         scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)

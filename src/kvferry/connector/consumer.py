@@ -22,9 +22,10 @@ import zmq.asyncio
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo
 from kvferry.connector.dealer import Dealer
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
+from kvferry.connector.liveness import DelayEstimator
 from kvferry.connector.messages import MAX_MESSAGE_BYTES, PullRequest, PullResponse, Release, Status, encode
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pulls import ConsumerConfig, Outbox, PullMeta, PullSpec, PullTask
+from kvferry.connector.pulls import LEASE_HEARTBEATS, ConsumerConfig, Outbox, PullMeta, PullSpec, PullTask
 from kvferry.transfer.base import TransferEngine, covered
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,12 @@ class Consumer:
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers: dict[tuple[int, str], Dealer] = {}
         self._ctx = zmq.asyncio.Context()
+        # Gaps between our own heartbeat ticks. When this loop lags, P hears from us late: we ask for a
+        # lease that covers it (floor: LEASE_HEARTBEATS intervals; P caps it at its abort timeout). And
+        # the box is loaded: a P that shares it gets as much slack before we call it dead.
+        ceiling = config.heartbeat_ceiling_s
+        self._tick_gaps = DelayEstimator(config.lease_s, ceiling, margin=float(LEASE_HEARTBEATS))
+        self._own_lag = DelayEstimator(config.heartbeat_timeout_s, ceiling)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kv-consumer", daemon=True)
         self._thread.start()
@@ -174,7 +181,7 @@ class Consumer:
                 d_tp_size=d_tp,
                 d_tp_rank=task.d_rank,
                 num_tokens=pull.spec.num_tokens,
-                lease_s=self.config.lease_s,
+                lease_s=self.lease_s,
                 want_checksums=self.config.checksums,
                 d_layout=self.layout.describe(),
                 prompt_digest=pull.spec.prompt_digest,
@@ -367,9 +374,10 @@ class Consumer:
     def _dealer(self, d_rank: int, addr: str) -> Dealer:
         dealer = self._dealers.get((d_rank, addr))
         if dealer is None:
+            silence = DelayEstimator(self.config.heartbeat_timeout_s, self.config.heartbeat_ceiling_s)
             dealer = Dealer(self._ctx, addr, self._on_peer_dead, self.config.liveness,
                             self.metrics.heartbeat_rtt_seconds.observe, self.config.secret,
-                            self.metrics.control_auth_failures.labels(side="decode").inc)
+                            self.metrics.control_auth_failures.labels(side="decode").inc, silence)
             self._dealers[(d_rank, addr)] = dealer
         return dealer
 
@@ -390,9 +398,21 @@ class Consumer:
                     del self._dealers[key]
                     dealer.close()
 
+    @property
+    def lease_s(self) -> float:
+        """The lease D asks P for (0: liveness off, P's abort timeout): LEASE_HEARTBEATS intervals on an
+        idle box, more while this loop's heartbeat ticks come late."""
+        return self._tick_gaps.threshold() if self.config.liveness else 0.0
+
     async def _heartbeats(self) -> None:
+        last = self.loop.time()
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             now = self.loop.time()
+            # The gap P sees between our heartbeats: the interval plus however late this loop woke.
+            self._tick_gaps.observe(now - last)
+            self._own_lag.observe(max(0.0, now - last - self.config.heartbeat_interval_s))  # how late we woke
+            last = now
+            lease_s, at_least = self.lease_s, self._own_lag.threshold()
             for dealer in list(self._dealers.values()):
-                dealer.heartbeat(now, self.config.heartbeat_timeout_s, self.config.lease_s)
+                dealer.heartbeat(now, lease_s, at_least)

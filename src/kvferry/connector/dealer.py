@@ -1,7 +1,10 @@
 """One DEALER socket from a D rank to a P rank: routes replies to waiting pulls and watches P's liveness.
 
 A dead P is noticed two ways: the TCP connection closing (ZMQ monitor event; a killed process is seen
-at once) and silence (heartbeats unanswered for `timeout`; a hung process, e.g. SIGSTOP).
+at once) and silence: a heartbeat left unanswered longer than P's recent ack round trips allow
+(`liveness.DelayEstimator`: `--heartbeat-timeout` on an idle box, up to its ceiling for a P that has been
+answering slowly; a hung process, e.g. SIGSTOP). Silence counts from the oldest heartbeat P has not
+answered, never from P's last answer: when D's own loop lags and sends nothing, P is not silent.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer
+from kvferry.connector.liveness import DelayEstimator
 from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,
@@ -30,6 +34,8 @@ from kvferry.connector.messages import (
 log = logging.getLogger(__name__)
 
 WaiterKey = tuple[str, str]  # (transfer_id, d_request_id)
+# Heartbeats awaiting an ack: a verdict comes long before this many at any sane interval and ceiling.
+MAX_PINGS = 4096
 # Called with the request ids waiting on a dead P and the reason.
 OnDead = Callable[[list[str], str], None]
 
@@ -37,15 +43,17 @@ OnDead = Callable[[list[str], str], None]
 class Dealer:
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, on_dead: OnDead, watch_connection: bool,
                  on_rtt: Callable[[float], None] | None = None, secret: bytes | None = None,
-                 on_forged: Callable[[], None] | None = None) -> None:
+                 on_forged: Callable[[], None] | None = None, silence: DelayEstimator | None = None) -> None:
         self.addr = addr
+        # How long an unanswered heartbeat may stay so, learnt from P's ack round trips.
+        self.silence = silence if silence is not None else DelayEstimator(1.5, 1.5)
         self.on_dead = on_dead
         self.on_rtt = on_rtt
         self.on_forged = on_forged
         self._sealer = Sealer(secret, TO_PREFILL)
         self._opener = Opener(secret, TO_DECODE)
         # Send times of heartbeats not yet acked: P answers them in order on this one connection.
-        self._pings: deque[float] = deque(maxlen=64)
+        self._pings: deque[float] = deque(maxlen=MAX_PINGS)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
@@ -85,15 +93,24 @@ class Dealer:
         self.working_seen.pop(key[0], None)
         return self.writing_since.pop(key, None)
 
-    def heartbeat(self, now: float, timeout: float, lease_s: float) -> None:
-        """Ping P for the pulls waiting on it; declare it dead after `timeout` of silence."""
+    def silent_for(self, now: float) -> float:
+        """How long P has left a heartbeat unanswered (0: none outstanding). Anything P sent since, and
+        the start of the current wait, restart the clock."""
+        if not self._pings:
+            return 0.0
+        return now - max(self._pings[0], self.last_seen, self.waiting_since or self.last_seen)
+
+    def heartbeat(self, now: float, lease_s: float, at_least: float = 0.0) -> None:
+        """Ping P for the pulls waiting on it; declare it dead once it stays silent past its threshold
+        (never below `at_least`: what our own loop's lag says the box allows)."""
         if not self.waiters:
             return
-        since = max(self.last_seen, self.waiting_since or self.last_seen)
-        if now - since > timeout and int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
-            since = self.last_seen = now  # P did answer; our reader is just behind (a busy D)
-        if now - since > timeout:
-            self._dead(f"P at {self.addr} silent for {now - since:.1f}s (heartbeat timeout)")
+        limit = max(self.silence.threshold(), at_least)
+        if self.silent_for(now) > limit and int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            self.last_seen = now  # P did answer; our reader is just behind (a busy D)
+        silent = self.silent_for(now)
+        if silent > limit:
+            self._dead(f"P at {self.addr} silent for {silent:.1f}s (heartbeat timeout {limit:.1f}s)")
             return
         self.send_raw(encode(Heartbeat(sorted({tid for tid, _ in self.waiters}), lease_s)))
         self._pings.append(now)
@@ -120,8 +137,11 @@ class Dealer:
                 continue
             self.last_seen = asyncio.get_running_loop().time()
             if isinstance(message, HeartbeatAck):
-                if self._pings and self.on_rtt is not None:
-                    self.on_rtt(self.last_seen - self._pings.popleft())
+                if self._pings:
+                    rtt = self.last_seen - self._pings.popleft()
+                    self.silence.observe(rtt)
+                    if self.on_rtt is not None:
+                        self.on_rtt(rtt)
                 for tid in message.working:
                     self.working_seen[tid] = self.last_seen
                 continue

@@ -33,6 +33,7 @@ from kvferry.connector.bootstrap import (
 from kvferry.connector.consumer import Consumer
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, PagedKVLayout
+from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.producer import Producer
 from kvferry.connector.pulls import ConsumerConfig, PullSpec
@@ -54,6 +55,8 @@ class PDConfig:
     faults: FaultSpec = field(default_factory=FaultSpec)
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5  # 0: no heartbeats and no connection watch (timeouts only)
+    # A slow P is waited on (and a lagging D's lease asked for) up to this; ≤ timeout: fixed thresholds.
+    heartbeat_ceiling_s: float = DEFAULT_CEILING_S
     # Seals control messages and bootstrap answers, keys the data plane (docs/security.md).
     secret: bytes | None = field(default_factory=deployment_secret, repr=False, compare=False)
     prefill_allow: tuple[str, ...] = LOOPBACK  # decode: the hosts whose bootstrap servers D may ask
@@ -259,6 +262,7 @@ class PDConnector(KVConnector):
                 self.config.faults,
                 self.config.heartbeat_interval_s,
                 self.config.heartbeat_timeout_s,
+                self.config.heartbeat_ceiling_s,
                 secret=self.config.secret,
             )
             bootstrap = BootstrapClient(secret=self.config.secret)

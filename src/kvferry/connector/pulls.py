@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvferry.connector.faults import FaultSpec
+from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.messages import PullResponse
 from kvferry.transfer.base import ByteRange
 
@@ -35,10 +36,13 @@ class ConsumerConfig:
     kv_load_deadline_s: float = 60.0
     checksums: bool = True
     faults: FaultSpec = field(default_factory=FaultSpec)
-    # Liveness of P: heartbeats every interval, dead after timeout of silence; 0 turns liveness off
-    # (heartbeats and connection-close events), leaving only the timeouts, as in vLLM's connectors.
+    # Liveness of P: heartbeats every interval; P is dead after a silence longer than its recent ack
+    # round trips allow (liveness.py): at least timeout, at most ceiling (≤ timeout: fixed at timeout).
+    # Timeout 0 turns liveness off (heartbeats and connection-close events), leaving only the timeouts,
+    # as in vLLM's connectors. The ceiling also caps the lease D asks for.
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5
+    heartbeat_ceiling_s: float = DEFAULT_CEILING_S
     # A DEALER no pull uses is closed after this (at once when its connection is gone), so D holds
     # sockets only for live P ranks however often P restarts on new ports.
     dealer_idle_s: float = 10.0
@@ -50,8 +54,9 @@ class ConsumerConfig:
 
     @property
     def lease_s(self) -> float:
-        """How long P holds a transfer without hearing from us (0: P's own abort timeout). Seven missed
-        heartbeats: P frees within 2 s of the last one, counting its sweep and the write it cancels."""
+        """The least lease D asks for: how long P holds a transfer without hearing from us (0: P's own
+        abort timeout). Seven missed heartbeats: P frees within 2 s of the last one, counting its sweep
+        and the write it cancels. A lagging D asks for more (`Consumer.lease_s`)."""
         return LEASE_HEARTBEATS * self.heartbeat_interval_s if self.liveness else 0.0
 
 

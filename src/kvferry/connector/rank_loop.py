@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCRATCH_REGION = "scratch"  # source of the bytes the `corrupt` fault writes
+POLL_S = 0.05  # the longest one turn waits for a message
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RankLoop(threading.Thread):
         self._sealer = Sealer(producer.secret, TO_DECODE)
         self._opener = Opener(producer.secret, TO_PREFILL)
         self._parked: list[Parked] = []
+        self._last_turn = time.monotonic()
 
     def wake(self) -> None:
         # A full buffer means it is already awake; an error means it is shutting down.
@@ -103,7 +105,14 @@ class RankLoop(threading.Thread):
             self._wake_w.close()
 
     def _turn(self, poller: zmq.Poller) -> None:
-        events = dict(poller.poll(50))
+        events = dict(poller.poll(int(POLL_S * 1000)))
+        # The lease sweep judges by this instant, taken before we read the socket, so every heartbeat
+        # that reached us by then renews first; and if this turn came late (P itself starved or
+        # frozen: ZMQ's I/O thread may not have handed over what D sent meanwhile), as of before the
+        # overrun. Time P could not listen never counts as D's silence.
+        polled = time.monotonic()
+        overrun = max(0.0, polled - self._last_turn - 2 * POLL_S)
+        self._last_turn = polled
         if self._wake_r.fileno() in events:
             with contextlib.suppress(BlockingIOError):
                 while self._wake_r.recv(4096):
@@ -113,7 +122,7 @@ class RankLoop(threading.Thread):
         self._retry_parked()
         self._flush()
         if self.rank == 0:
-            self._guard("lease sweep", lambda: self.p.cancel(self.p.table.expire(time.monotonic())))
+            self._guard("lease sweep", lambda: self.p.cancel(self.p.table.expire(polled - overrun)))
 
     def _guard(self, what: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None = None) -> None:
         try:

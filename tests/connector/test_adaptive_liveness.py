@@ -1,0 +1,190 @@
+"""Liveness that adapts to load (issue 18.4), against a fake P whose heartbeat acks the test delays on
+purpose: a P that stalls but answers is waited on (the fixed threshold would have killed it); a P
+that stops answering is still declared dead, by the ceiling; a D whose own loop lags asks P for a
+longer lease. Every delay is the scenario itself, with at least 2× slack either way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from test_consumer_spine import D_BLOCKS, ENGINE_ID, P_BLOCKS, SPEC, FakePRank, Rig, make_rig
+
+from kvferry.connector.bootstrap import BootstrapServer, Registration
+from kvferry.connector.consumer import Consumer
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.layout import PagedKVLayout
+from kvferry.connector.messages import Heartbeat, HeartbeatAck, PullRequest, Release, Status, encode
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.producer import Producer
+from kvferry.connector.pulls import ConsumerConfig, PullSpec
+from kvferry.transfer.tcp import TcpTransferEngine
+from procs import free_port, wait_until
+
+INTERVAL, FLOOR = 0.1, 0.5  # D heartbeats every 0.1 s; an idle P is dead after 0.5 s of silence
+LONG = {"recv_timeout_s": 30.0, "kv_load_deadline_s": 60.0}  # only liveness may end these pulls
+# P goes quiet (answers nothing) for this long when heartbeat n arrives, then answers all it owes:
+# how a starved process behaves. Each stall is at most half of 4× (the margin) the one before it.
+STALLS = {5: 0.25, 10: 0.25, 15: 0.5, 20: 1.0}
+D_STALLS = (0.25, 0.25, 0.6, 1.4)  # D's loop blocked this long, in turn, while P writes
+SLOW_WRITE_S = 6.0  # P's write outlasts the stalls
+LAST = 35  # heartbeats P has received by the end of the ramp (the last stall is over by then)
+
+
+class SlowP:
+    """Answers heartbeats at once, except through the stalls above; silent for good once frozen."""
+
+    def __init__(self, rank: FakePRank, stalls: dict[int, float]) -> None:
+        self.rank = rank
+        self.stalls = stalls
+        self.owed: list[tuple[float, bytes]] = []  # (when, identity): acks due, in arrival order
+        self.quiet_until = 0.0
+        self.pings = 0
+        self.leases: list[float] = []  # lease_s of every heartbeat
+        self.released = False
+        self.last_ack = 0.0
+
+    def serve(self, until: Callable[[], bool], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not until() and not self.released:
+            assert time.monotonic() < deadline, f"P answered {self.pings} heartbeats, D never settled"
+            if self.rank.sock.poll(5):
+                identity, msg = self.rank.recv()
+                if isinstance(msg, Heartbeat):
+                    now = time.monotonic()
+                    if self.pings in self.stalls:
+                        self.quiet_until = now + self.stalls[self.pings]
+                    self.owed.append((max(now, self.quiet_until), identity))
+                    self.leases.append(msg.lease_s)
+                    self.pings += 1
+                elif isinstance(msg, Release):
+                    self.released = True  # D gave up on this P
+            while self.owed and self.owed[0][0] <= time.monotonic():
+                self.rank.sock.send_multipart([self.owed.pop(0)[1], self.rank.sealer.seal(encode(HeartbeatAck()))])
+                self.last_ack = time.monotonic()
+
+
+def start(rig: Rig) -> tuple[SlowP, bytes, PullRequest]:
+    rig.pull("r", D_BLOCKS)
+    identity, pull = rig.ranks[0].recv_pull()
+    return SlowP(rig.ranks[0], STALLS), identity, pull
+
+
+def threshold(rig: Rig) -> float:
+    return float(rig.on_loop(lambda: next(iter(rig.consumer._dealers.values())).silence.threshold()))
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_p_that_stalls_ever_longer_but_answers_is_waited_on(adaptive: bool) -> None:
+    ceiling = 10.0 if adaptive else 0.0  # 0: the old fixed threshold, for contrast
+    with make_rig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, heartbeat_ceiling_s=ceiling, **LONG) as rig:
+        p, identity, pull = start(rig)
+        p.serve(until=lambda: p.pings >= LAST and not p.owed)
+        if not adaptive:
+            # A 1 s stall against a fixed 0.5 s: a slow P is declared dead.
+            rig.wait_finished("r")
+            assert p.released and rig.causes["r"][0] == "peer_dead", rig.causes
+            return
+        assert not p.released, rig.causes
+        # It learnt the stalls, with room to spare.
+        wait_until(lambda: threshold(rig) >= 2 * max(STALLS.values()), 5, "D's threshold after the stalls")
+        sums = p.rank.write(pull, P_BLOCKS)
+        p.rank.reply(identity, pull, Status.FINISH, ok_reqs=["r"], checksums=sums)
+        rig.wait_finished("r")
+        assert rig.causes == {} and rig.invalid == set()
+        assert rig.failures("peer_dead") == 0
+
+
+def test_p_that_stops_answering_is_dead_by_the_ceiling() -> None:
+    ceiling = 2.0  # below what the slow history alone would allow (4 × 1 s)
+    with make_rig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, heartbeat_ceiling_s=ceiling, **LONG) as rig:
+        p, _, _ = start(rig)
+        p.serve(until=lambda: p.pings >= LAST and not p.owed)
+        assert not p.released
+        wait_until(lambda: threshold(rig) == ceiling, 5, "D's threshold at the ceiling")
+        frozen = p.last_ack  # from now on P answers nothing, as if SIGSTOPped
+        rig.wait_finished("r", timeout=ceiling + 5)
+        detected = time.monotonic() - frozen
+        assert rig.causes["r"][0] == "peer_dead" and f"heartbeat timeout {ceiling:.1f}s" in rig.causes["r"][1]
+        # Silence past the ceiling, seen at the next heartbeat tick (and a second of slack for a busy box).
+        assert ceiling < detected <= ceiling + INTERVAL + 1.0, detected
+
+
+def test_lagging_d_asks_for_a_longer_lease() -> None:
+    stall = 0.6
+    with make_rig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, **LONG) as rig:
+        p, _, _ = start(rig)
+        p.stalls = {}
+        p.serve(until=lambda: p.pings >= 3)
+        assert all(lease >= 7 * INTERVAL for lease in p.leases)  # the floor: 7 heartbeats
+
+        async def block_the_loop() -> None:
+            time.sleep(stall)  # D's loop starved, as on an overloaded box
+
+        asyncio.run_coroutine_threadsafe(block_the_loop(), rig.consumer.loop).result(timeout=10)
+        seen = len(p.leases)
+        p.serve(until=lambda: len(p.leases) > seen)
+        # The gap it just lived through, with margin: P keeps the transfer across one like it.
+        assert p.leases[-1] >= 2 * stall, p.leases
+
+
+@contextmanager
+def p_and_d(ceiling: float) -> Iterator[tuple[Producer, Consumer, Metrics, str]]:
+    """A real producer (its writes slowed, so D's lease must hold them up) and a real consumer."""
+    p_kv = np.random.default_rng(0).standard_normal(SPEC.shape, dtype=np.float32)
+    p_metrics = Metrics()
+    producer = Producer(PagedKVLayout(SPEC, p_kv), [TcpTransferEngine()], "127.0.0.1", 30.0,
+                        FaultSpec(slow_ms=SLOW_WRITE_S * 1000), p_metrics)
+    server = BootstrapServer("127.0.0.1", free_port())
+    server.register(Registration(ENGINE_ID, 1, 0, producer.control_addrs[0]))
+    server.start()
+    d_engine = TcpTransferEngine()
+    config = ConsumerConfig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, heartbeat_ceiling_s=ceiling,
+                            **LONG)
+    consumer = Consumer(PagedKVLayout(SPEC, np.zeros(SPEC.shape, dtype=np.float32)), [d_engine], config, Metrics())
+    try:
+        yield producer, consumer, p_metrics, f"127.0.0.1:{server.port}"
+    finally:
+        consumer.close()
+        d_engine.close()
+        producer.close()
+        for engine in producer.engines:
+            engine.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_p_keeps_the_transfer_of_a_d_whose_loop_lags(adaptive: bool) -> None:
+    """D's loop stalls (0.25, 0.25, 0.6, then 1.4 s) while P writes: D asks for a lease that covers
+    the stalls it has lived through, so P never cancels; with the fixed lease (0.7 s) it does."""
+    with p_and_d(10.0 if adaptive else 0.0) as (producer, consumer, p_metrics, bootstrap):
+        producer.add_ready("xfer-r", "p-r", P_BLOCKS, len(P_BLOCKS) * SPEC.block_size)
+        consumer.start_pulls([PullSpec("r", "xfer-r", D_BLOCKS, ENGINE_ID, bootstrap, len(D_BLOCKS) * SPEC.block_size)])
+        wait_until(lambda: producer.table.writes_in_flight() == 1, 10, "P writing the pull")
+
+        async def stall(seconds: float) -> int:
+            time.sleep(seconds)  # D's loop starved, as on an overloaded box
+            return consumer._tick_gaps.count
+
+        for seconds in D_STALLS:
+            ticks = asyncio.run_coroutine_threadsafe(stall(seconds), consumer.loop).result(timeout=10)
+            wait_until(lambda t=ticks: consumer._tick_gaps.count >= t + 3, 10, "D heartbeating again")
+        finished: set[str] = set()
+        causes: dict[str, tuple[str, str]] = {}
+
+        def done() -> bool:
+            f, _, c = consumer.drain()
+            finished.update(f)
+            causes.update(c)
+            return "r" in finished
+
+        wait_until(done, SLOW_WRITE_S + 10, "the pull to end")
+        expired = p_metrics.kv_leases_expired._value.get()
+        if adaptive:
+            assert causes == {} and expired == 0, causes
+        else:
+            assert causes["r"][0] == "transport" and expired == 1, causes
