@@ -228,6 +228,14 @@ def test_deadline_bounds_the_whole_load() -> None:
         assert rig.causes["r"][0] == "deadline" and rig.invalid == set(D_BLOCKS)
 
 
+def test_bootstrap_outside_the_allow_list_is_never_asked(rig: Rig) -> None:
+    """vLLM's requests reach the consumer without the HTTP edge's 400: it refuses them itself."""
+    rig.pull("r", D_BLOCKS, bootstrap_addr="192.0.2.7:8998")
+    rig.wait_finished("r", timeout=2.0)
+    assert rig.causes["r"][0] == "bootstrap" and "not an allowed prefill host" in rig.causes["r"][1]
+    assert rig.invalid == set(D_BLOCKS)
+
+
 def test_bootstrap_unknown_engine(rig: Rig) -> None:
     rig.pull("r", D_BLOCKS, engine_id="no-such-engine")
     rig.wait_finished("r")

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import zmq
 import zmq.asyncio
 
-from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo
+from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo, PrefillAllowList
 from kvferry.connector.dealer import Dealer
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
 from kvferry.connector.liveness import DelayEstimator
@@ -52,6 +52,7 @@ class Consumer:
         self.config = config
         self.metrics = metrics
         self.bootstrap = bootstrap or BootstrapClient()
+        self._allow = PrefillAllowList(config.prefill_allow)
         for engine in engines:
             for name, buffer in layout.regions().items():
                 engine.register(name, buffer)
@@ -139,6 +140,9 @@ class Consumer:
             self._handle_failed_recv([pull], "transport", f"receiver error: {exc!r}")
 
     async def _lookup(self, spec: PullSpec) -> EngineInfo:
+        if not self._allow.allows(spec.bootstrap_addr.rpartition(":")[0]):
+            # The HTTP edge refuses these with 400; vLLM's requests reach us here. Never ask that host.
+            raise BootstrapError(f"bootstrap server {spec.bootstrap_addr[:100]} is not an allowed prefill host")
         injected = self.config.faults.fault_for(spec.transfer_id) == "bootstrap"
         cached = self.bootstrap.cached(spec.bootstrap_addr, spec.engine_id)
         # A cached answer is trusted only while we are connected to its ranks: a P restarted at the

@@ -264,6 +264,7 @@ class PDConnector(KVConnector):
                 self.config.heartbeat_timeout_s,
                 self.config.heartbeat_ceiling_s,
                 secret=self.config.secret,
+                prefill_allow=self.config.prefill_allow,
             )
             bootstrap = BootstrapClient(secret=self.config.secret)
             self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics, bootstrap)

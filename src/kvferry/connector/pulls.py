@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvferry.connector.bootstrap import LOOPBACK
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.messages import PullResponse
@@ -47,6 +48,7 @@ class ConsumerConfig:
     # sockets only for live P ranks however often P restarts on new ports.
     dealer_idle_s: float = 10.0
     secret: bytes | None = field(default=None, repr=False)  # seals control messages (auth.py)
+    prefill_allow: tuple[str, ...] = LOOPBACK  # the bootstrap hosts D may ask (and so pull from)
 
     @property
     def liveness(self) -> bool:
