@@ -60,6 +60,7 @@ from kvferry.connector.auth import deployment_secret
 from kvferry.connector.base import ConnectorRole
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.faults import FaultSpec
+from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.pd import (
     KVTransferParamsError,
     PDConfig,
@@ -96,6 +97,7 @@ class KVFerrySettings:
     # D: heartbeat period (P's lease on a pulled transfer is 7 periods) and how long P may stay silent
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5
+    heartbeat_ceiling_s: float = DEFAULT_CEILING_S  # most a slow P is waited on (liveness adapts up to it)
     # Copy KV through a host mirror: "auto" when the KV cache is not in host memory (a GPU), "always"
     # (host memory too: tests), "never" (a KV cache on a device is refused)
     staging: str = "auto"
@@ -103,7 +105,7 @@ class KVFerrySettings:
     insecure: bool = False  # a non-loopback host without KVFERRY_SECRET (as `kvferry serve --insecure`)
 
     KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
-            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "staging", "prefill_allow",
+            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "heartbeat_ceiling_s", "staging", "prefill_allow",
             "insecure")
     STAGING = {"auto": None, "always": True, "never": False}
 
@@ -123,6 +125,7 @@ class KVFerrySettings:
             faults=str(extra.get("faults", os.environ.get("KVFERRY_FAULTS", ""))),
             heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 0.25)),
             heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", 1.5)),
+            heartbeat_ceiling_s=float(extra.get("heartbeat_ceiling_s", DEFAULT_CEILING_S)),
             staging=str(extra.get("staging", "auto")),
             prefill_allow=tuple(str(h) for h in extra.get("prefill_allow", LOOPBACK)),
             insecure=bool(extra.get("insecure", False)),
@@ -157,6 +160,7 @@ class KVFerrySettings:
             faults=FaultSpec.parse(self.faults),
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            heartbeat_ceiling_s=self.heartbeat_ceiling_s,
             prefill_allow=self.prefill_allow,
         )
 
