@@ -46,7 +46,7 @@ def test_real_model_pd_chat_recompute_and_openai_client(smol: LoadedModel) -> No
     # P runs 3 tensor-parallel ranks (one per KV head), D one: the head mapping is exercised too.
     with pd_system(p_tp=3, p_args=model_args, d_args=d_args, timeout=120) as (_p, d, proxy):
         client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        assert [m.id for m in client.models.list()] == [SMOLLM2_NAME]
+        assert [m.id for m in client.models.list()] == [SMOLLM2_NAME, "smollm2"]  # its name, and --model
 
         expected = reference(smol, QUESTIONS[2])
         assert "Paris" in expected
