@@ -41,6 +41,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "name, and what --model was given)")
     p.add_argument("--seed", type=int, default=0, help="tiny model: weights seed (P, D and reference must agree)")
     p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: HTTP port of the bootstrap server")
+    p.add_argument("--control-port", type=int, default=0,
+                   help="prefill: rank r's ZMQ control socket binds this + r (0: a port the kernel picks)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="rank r's TCP data plane binds this + r (0: a port the kernel picks)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the address peers are told to dial (default: --host; needed when --host is 0.0.0.0 or ::)")
     p.add_argument("--transfer", choices=["tcp", "mooncake"], default="tcp", help="data-plane backend")
     p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""),
                    help="fault injection, e.g. 'transport=0.1,corrupt=0.05,seed=1' (env KVFERRY_FAULTS)")
@@ -84,6 +90,10 @@ def _check_exposure(args: argparse.Namespace) -> bool:
     print(f"kvferry serve: WARNING: --insecure: listening on {args.host} without KVFERRY_SECRET; control and data "
           "planes are unauthenticated", file=sys.stderr, flush=True)
     return True
+
+
+def _bound(bound: str, advertised: str) -> str:
+    return "" if bound == advertised else f" (bound {bound})"
 
 
 def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -174,6 +184,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _check_exposure(args):
         return 2
+    if args.host in ("0.0.0.0", "::") and not args.advertise_host:
+        print(f"kvferry serve: --host {args.host} binds every interface: say which address peers should dial "
+              "with --advertise-host", file=sys.stderr)
+        return 2
+    advertised = args.advertise_host or args.host
     if args.transfer == "mooncake" and args.role != "both":
         print("kvferry serve: WARNING: --transfer mooncake: Mooncake TE authenticates nothing on the data plane "
               "(docs/security.md)", file=sys.stderr, flush=True)
@@ -217,6 +232,9 @@ def serve(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout,
             heartbeat_ceiling_s=args.heartbeat_ceiling,
             prefill_allow=tuple(allow.entries),
+            control_port=args.control_port,
+            data_port=args.data_port,
+            advertise_host=advertised,
         )
         scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)
         worker_connector = PDConnector(ConnectorRole.WORKER, pd_config, metrics)
@@ -229,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
         role=args.role,
         engine_id=engine_id,
     )
-    extra = {"kv_bootstrap_addr": f"{args.host}:{args.bootstrap_port}"} if args.role == "prefill" else {}
+    extra = {"kv_bootstrap_addr": f"{advertised}:{args.bootstrap_port}"} if args.role == "prefill" else {}
     engine = Engine(config, scheduler_connector, worker_connector, metrics, loaded)
     engine.start()
     names = args.served_model_name or [loaded.name, args.model]
@@ -239,10 +257,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"{who}: bootstrap server on http://{args.host}:{args.bootstrap_port}", file=sys.stderr, flush=True)
     if isinstance(worker_connector, PDConnector):
         stats = worker_connector.stats()
-        for rank, addr in enumerate(stats["control_addrs"]):
-            print(f"{who}: control (ZMQ) of rank {rank} on {addr}", file=sys.stderr, flush=True)
-        for rank, addr in enumerate(stats["transfer_addrs"]):
-            print(f"{who}: data plane ({args.transfer}) of rank {rank} on {addr}", file=sys.stderr, flush=True)
+        for rank, (addr, bound) in enumerate(zip(stats["control_addrs"], stats["control_bound"], strict=True)):
+            print(f"{who}: control (ZMQ) of rank {rank} on {addr}{_bound(bound, addr)}", file=sys.stderr, flush=True)
+        for rank, (addr, bound) in enumerate(zip(stats["transfer_addrs"], stats["transfer_bound"], strict=True)):
+            print(f"{who}: data plane ({args.transfer}) of rank {rank} on {addr}{_bound(bound, addr)}", file=sys.stderr,
+                  flush=True)
     try:
         app = build_app(engine, extra, names)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

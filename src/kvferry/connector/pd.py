@@ -60,6 +60,15 @@ class PDConfig:
     # Seals control messages and bootstrap answers, keys the data plane (docs/security.md).
     secret: bytes | None = field(default_factory=deployment_secret, repr=False, compare=False)
     prefill_allow: tuple[str, ...] = LOOPBACK  # decode: the hosts whose bootstrap servers D may ask
+    # Fixed ports for firewalls (rank r uses base + r; 0: the kernel picks) and the host peers are told
+    # to dial when it is not `host` (a 0.0.0.0 bind, NAT, a Kubernetes Service).
+    control_port: int = 0
+    data_port: int = 0
+    advertise_host: str = ""
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
 
     @property
     def recv_timeout_s(self) -> float:
@@ -243,7 +252,7 @@ class PDConnector(KVConnector):
             "do_remote_prefill": True,
             "transfer_id": transfer_id,
             "remote_engine_id": self.config.engine_id,
-            "remote_bootstrap_addr": f"{self.config.host}:{self.config.bootstrap_port}",
+            "remote_bootstrap_addr": _join(self.config.advertised_host, self.config.bootstrap_port),
         }
 
     # ---- worker role ------------------------------------------------------------------------------
@@ -252,7 +261,7 @@ class PDConnector(KVConnector):
 
     def register_kv_layout(self, layout: KVLayout) -> None:
         """Any memory layout (vLLM's per-layer tensors, say) that can name a block's byte runs."""
-        self.transfer_engines = [self._new_transfer_engine() for _ in range(self.config.tp_size)]
+        self.transfer_engines = [self._new_transfer_engine(rank) for rank in range(self.config.tp_size)]
         if self.is_decode:
             consumer_config = ConsumerConfig(
                 self.config.tp_size,
@@ -272,6 +281,7 @@ class PDConnector(KVConnector):
         self.producer = Producer(
             layout, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
             self.config.faults, self.metrics, self.config.secret,
+            control_port=self.config.control_port, advertise_host=self.config.advertised_host,
         )
         self.bootstrap_server = BootstrapServer(self.config.host, self.config.bootstrap_port, self.config.faults,
                                                 self.config.secret)
@@ -279,14 +289,16 @@ class PDConnector(KVConnector):
             self.bootstrap_server.register(Registration(self.config.engine_id, self.config.tp_size, rank, addr))
         self.bootstrap_server.start()
 
-    def _new_transfer_engine(self) -> TransferEngine:
+    def _new_transfer_engine(self, rank: int) -> TransferEngine:
         if self.config.transfer == "mooncake":
             from kvferry.transfer.mooncake import MooncakeTransferEngine
 
             return MooncakeTransferEngine(self.config.host)
         from kvferry.transfer.tcp import TcpTransferEngine
 
-        return TcpTransferEngine(self.config.host, secret=self.config.secret or b"")
+        port = self.config.data_port and self.config.data_port + rank
+        return TcpTransferEngine(self.config.host, port, secret=self.config.secret or b"",
+                                 advertise=_join(self.config.advertised_host, port))
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, PDMetadata)
@@ -328,8 +340,10 @@ class PDConnector(KVConnector):
             "pending_pulls": self.consumer.pending_pulls if self.consumer else 0,
             "pending_sends": self.producer.table.pending_sends() if self.producer else 0,
             "writes_in_flight": self.producer.table.writes_in_flight() if self.producer else 0,
-            "transfer_addrs": [e.address for e in self.transfer_engines],
-            "control_addrs": self.producer.control_addrs if self.producer else [],
+            "transfer_addrs": [e.address for e in self.transfer_engines],  # advertised
+            "transfer_bound": [getattr(e, "bound_address", e.address) for e in self.transfer_engines],
+            "control_addrs": self.producer.control_addrs if self.producer else [],  # advertised
+            "control_bound": self.producer.control_bound if self.producer else [],
         }
 
     def close(self) -> None:
@@ -342,3 +356,6 @@ class PDConnector(KVConnector):
         for engine in self.transfer_engines:
             engine.close()
 
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

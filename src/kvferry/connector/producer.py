@@ -40,7 +40,12 @@ class Producer:
         faults: FaultSpec,
         metrics: Metrics,
         secret: bytes | None = None,
+        *,
+        control_port: int = 0,
+        advertise_host: str | None = None,
     ) -> None:
+        """`control_port`: rank r's ROUTER binds it + r (0: the kernel picks); `advertise_host`: the host
+        D is told to dial (default `host`)."""
         self.layout = layout
         self.secret = secret  # seals every control message (connector/auth.py); None: loopback only
         self.tp_size = len(engines)
@@ -58,8 +63,10 @@ class Producer:
         self._in_step = False
         self._ctx = zmq.Context()
         self.senders = PeerSenders("kv-send")
-        self._ranks = [RankLoop(self, rank, host) for rank in range(self.tp_size)]
-        self.control_addrs = [r.address for r in self._ranks]
+        self._ranks = [RankLoop(self, rank, host, control_port and control_port + rank, advertise_host or host)
+                       for rank in range(self.tp_size)]
+        self.control_addrs = [r.address for r in self._ranks]  # advertised
+        self.control_bound = [r.bound for r in self._ranks]
         for r in self._ranks:
             r.start()
 

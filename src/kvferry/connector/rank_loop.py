@@ -62,7 +62,7 @@ class Parked:
 
 
 class RankLoop(threading.Thread):
-    def __init__(self, producer: Producer, rank: int, host: str) -> None:
+    def __init__(self, producer: Producer, rank: int, host: str, port: int, advertise_host: str) -> None:
         super().__init__(name=f"kv-producer-rank{rank}", daemon=True)
         self.p = producer
         self.rank = rank
@@ -71,8 +71,12 @@ class RankLoop(threading.Thread):
         self.sock.setsockopt(zmq.LINGER, 0)
         # Up to this size every message gets its own answer (ERROR if over MAX_MESSAGE_BYTES).
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        if port:
+            self.sock.bind(f"tcp://{_join(host, port)}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://[{host}]" if ":" in host else f"tcp://{host}")
+        self.bound = f"tcp://{_join(host, port)}"
+        self.address = f"tcp://{_join(advertise_host, port)}"  # what the bootstrap server hands to D
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -341,6 +345,10 @@ class RankLoop(threading.Thread):
             if not self.p.table.write_wanted(w):
                 raise TransferError(TransferErrorCause.RESET, "write cancelled: D's lease ran out")
             time.sleep(min(left, 0.02))
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _normal_addr(addr: str) -> str | None:

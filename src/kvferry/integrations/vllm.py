@@ -103,10 +103,13 @@ class KVFerrySettings:
     staging: str = "auto"
     prefill_allow: tuple[str, ...] = LOOPBACK  # D: the hosts whose bootstrap servers it may pull from
     insecure: bool = False  # a non-loopback host without KVFERRY_SECRET (as `kvferry serve --insecure`)
+    control_port: int = 0  # P: the ZMQ control socket's fixed port (0: the kernel picks)
+    data_port: int = 0  # the TCP data plane's fixed port (0: the kernel picks)
+    advertise_host: str = ""  # the address peers dial (default: host; required when host is 0.0.0.0)
 
     KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
             "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "heartbeat_ceiling_s", "staging", "prefill_allow",
-            "insecure")
+            "insecure", "control_port", "data_port", "advertise_host")
     STAGING = {"auto": None, "always": True, "never": False}
 
     @classmethod
@@ -129,7 +132,12 @@ class KVFerrySettings:
             staging=str(extra.get("staging", "auto")),
             prefill_allow=tuple(str(h) for h in extra.get("prefill_allow", LOOPBACK)),
             insecure=bool(extra.get("insecure", False)),
+            control_port=int(extra.get("control_port", 0)),
+            data_port=int(extra.get("data_port", 0)),
+            advertise_host=str(extra.get("advertise_host", "")),
         )
+        if settings.host in ("0.0.0.0", "::") and not settings.advertise_host:
+            raise ValueError(f"host {settings.host} binds every interface: set advertise_host to the address peers dial")
         PrefillAllowList(settings.prefill_allow)  # raises on a bad entry
         if not settings.insecure and deployment_secret() is None and not _loopback(settings.host):
             raise ValueError(f"host {settings.host} is reachable from other machines and KVFERRY_SECRET is not set: "
@@ -162,6 +170,9 @@ class KVFerrySettings:
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_ceiling_s=self.heartbeat_ceiling_s,
             prefill_allow=self.prefill_allow,
+            control_port=self.control_port,
+            data_port=self.data_port,
+            advertise_host=self.advertise_host,
         )
 
 

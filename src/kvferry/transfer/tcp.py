@@ -37,7 +37,8 @@ class TcpTransferEngine(TransferEngine):
         advertise: str | None = None,
         limits: Limits | None = None,
     ) -> None:
-        """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind)."""
+        """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind); port 0
+        there means the bound port."""
         if secret is None:
             secret = os.environ.get("KVFERRY_SECRET") or None
         key = (secret.encode() if isinstance(secret, str) else secret) or None

@@ -47,7 +47,10 @@ class TcpServer:
         self._listener.listen(128)
         self.host, self.port = host, self._listener.getsockname()[1]
         bound = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        # The address peers dial; with a secret a handshake naming another one is refused.
+        # The address peers dial; with a secret a handshake naming another one is refused. Port 0 in
+        # `advertise` means the bound one (the kernel chose it).
+        if advertise and advertise.endswith(":0"):
+            advertise = f"{advertise[:-2]}:{self.port}"
         self.advertised = wire.canonical_addr(advertise or bound)
         if not self.advertised:
             raise ValueError(f"bad advertised address {advertise!r}")
