@@ -100,3 +100,20 @@ def test_an_honest_peer_without_the_secret_gets_nothing(rig: Rig) -> None:
     assert not raw.poll(100)
     raw.close(0)
     ctx.destroy(linger=0)
+
+
+def test_many_spellings_of_one_peer_get_one_pull() -> None:
+    """Row 7 of issue 19 (no secret needed to see it): 1,000 pulls on one transfer naming 1,000 spellings
+    of an address held 1,000 send threads and fds. One address is one peer, and one pull per transfer
+    and D rank may be live: the rest are refused without touching the transfer."""
+    rig = Rig(abort_timeout_s=5.0)
+    try:
+        rig.producer.add_ready("popular", "p-popular", [1, 2], 8)
+        port = rig.d_engine.address.rpartition(":")[2]
+        spellings = [f"127.0.0.1:{'0' * i}{port}" for i in range(40)]
+        replies = [rig.ask(rig.pull("popular", [3, 4], num_tokens=8, d_transfer_addr=a)) for a in spellings]
+        assert sum(r.status == 0 for r in replies) == 1, [r.err_msg for r in replies]  # one FINISH
+        assert all(r.status == 2 for r in replies[1:])  # the others ERROR
+        assert rig.producer.senders.threads() <= 1
+    finally:
+        rig.close()

@@ -42,6 +42,7 @@ from kvferry.connector.messages import (
 )
 from kvferry.connector.transfers import NOT_READY_MSG, Write
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
+from kvferry.transfer.wire import canonical_addr
 
 if TYPE_CHECKING:
     from kvferry.connector.producer import Producer
@@ -352,18 +353,22 @@ def _join(host: str, port: int) -> str:
 
 
 def _normal_addr(addr: str) -> str | None:
-    """`host:port` in one canonical spelling (IP literals normalised, names lower-case), or None."""
-    host, sep, port = addr.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 253:
+    """`host:port` in the data plane's one spelling (`wire.canonical_addr`), or None for what is not a
+    plain address (a host of digits and dots that is no IP, e.g. `127.000.000.001`, would resolve to one
+    anyway: another spelling of a peer)."""
+    canon = canonical_addr(addr)
+    host, _, port = canon.rpartition(":")
+    bare = host.strip("[]")
+    if not canon or not 0 < int(port) < 65536 or len(bare) > 253:
         return None
+    if host.startswith("["):
+        return canon  # canonical_addr only brackets what parsed as an IPv6 address
     try:
-        ip = ipaddress.ip_address(host)
+        ipaddress.ip_address(bare)
+        return canon
     except ValueError:
-        if not all(c.isalnum() or c in "-." for c in host):
-            return None
-        return f"{host.lower()}:{int(port)}"
-    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
+        named = any(c.isalpha() for c in bare) and not bare.lower().startswith("0x")
+        return canon if named and all(c.isalnum() or c in "-." for c in bare) else None
 
 
 def _response(pull: PullRequest, status: Status, **kw: object) -> PullResponse:
