@@ -21,6 +21,11 @@ from kvferry.bench.vllm import VLLM_CPU_ENV  # one OpenMP thread; the worker ins
 
 COMMON = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512")
 BLOCK_SIZE = 128  # vLLM's CPU block size
+# KVFERRY_LANE_VLLM_DEFAULTS=1: the lane at vLLM's own defaults (its worker in a separate process, OpenMP
+# threads as vLLM sets them), what a user runs; otherwise the worker inside the engine core, one thread.
+LANE_ENV = {k: v for k, v in VLLM_CPU_ENV.items()
+            if not (os.environ.get("KVFERRY_LANE_VLLM_DEFAULTS") and k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                                          "OMP_NUM_THREADS"))}
 START_TIMEOUT_S = 300.0  # 33-85 s alone; several servers starting at once on 2 loaded cores take longer
 
 
@@ -41,7 +46,7 @@ class Server:
     def start(self) -> Server:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **VLLM_CPU_ENV, **self.env}, start_new_session=True)
+                                          env={**os.environ, **LANE_ENV, **self.env}, start_new_session=True)
         return self
 
     @property
