@@ -61,7 +61,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="most a slow P is waited on, and most lease a lagging D asks for (s); "
                         "<= --heartbeat-timeout: fixed thresholds")
     p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
-    p.add_argument("--engine-id", default=None, help="default: <role>-<host>:<port>")
+    p.add_argument("--engine-id", default=None, help="default: <role>-<advertised host>:<port>")
     p.add_argument("--prefill-allow", action="append", default=None, metavar="HOST_OR_CIDR",
                    help="decode: hosts whose bootstrap servers D may pull from (repeatable; default loopback)")
     p.add_argument("--insecure", action="store_true",
@@ -197,7 +197,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvferry serve: {exc}", file=sys.stderr)
         return 2
-    engine_id = args.engine_id or f"{args.role}-{args.host}:{args.port}"
+    engine_id = args.engine_id or f"{args.role}-{advertised}:{args.port}"  # 0.0.0.0 would name every pod alike
     try:
         faults = FaultSpec.parse(args.faults)
     except ValueError as exc:
