@@ -109,6 +109,8 @@ class PD:
         if self.p_alive:
             self.p.assert_empty()
             assert len(self.p.sent) == len(set(self.p.sent))
+            prefill = self.p.connector.pd.get("prefill")
+            assert prefill is None or not prefill._claims, f"transfer ids still claimed: {prefill._claims}"
 
     def close(self) -> None:
         self.d.close()

@@ -354,6 +354,10 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        prefill = self.pd.get(PREFILL)
+        sent = getattr(connector_output, "finished_sending", None)
+        if prefill is not None and sent:
+            prefill.transfers_ended(set(sent))  # their transfer_ids are free for another request again
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVFerryWorkerMetadata):
             for request_id, (cause, message) in meta.causes.items():
