@@ -14,3 +14,10 @@ def test_bench_memcpy_and_tcp_verify_and_report() -> None:
         assert gbps > 0 and cpu > 0
     modes = bench.bench_tcp_modes(cases, reps=1, div=1, seed=0, modes={"tcp": None, "tcp+auth": "s"})
     assert all(gbps > 0 for mode in modes.values() for gbps, _ in mode)
+
+
+def test_memcpy_rounds_alternate_with_tcp() -> None:
+    out = bench.bench_tcp_modes(
+        [("paged", 16, 1 << 20)], reps=1, div=1, seed=0, modes={"tcp": None}, memcpy=True
+    )
+    assert list(out) == ["memcpy", "tcp"] and all(r[0][0] > 0 for r in out.values())

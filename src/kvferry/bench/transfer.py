@@ -1,6 +1,7 @@
 """`kvferry bench transfer`: in-process numpy gather/scatter vs the TCP engine vs Mooncake TE.
 
-- memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit).
+- memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit); its repetitions alternate with
+  the TCP ones (same blocks), so the ratios compare runs made under the same load.
 - tcp: sender in this process, receiver in a subprocess (`kvferry.transfer.peer`), so the two sides
   do not share a GIL; CPU time is the sum of both processes.
 - tcp+auth: the same with a shared secret (every message tagged and verified, see `transfer.mac`);
@@ -80,22 +81,21 @@ def _measure(reps: int, once: Callable[[], Sample]) -> Result:
     return _summary([once() for _ in range(reps)])
 
 
+def _memcpy_once(src: np.ndarray, dst: np.ndarray, bs: int, si: np.ndarray, di: np.ndarray) -> Sample:
+    dst.fill(0)
+    s2, d2 = src[: REGION // bs * bs].reshape(-1, bs), dst[: REGION // bs * bs].reshape(-1, bs)
+    c0, t0 = time.process_time(), time.perf_counter()
+    d2[di] = s2[si]
+    t1, c1 = time.perf_counter(), time.process_time()
+    assert _digest(src, bs, si) == _digest(dst, bs, di), "memcpy bytes differ"
+    return t1 - t0, c1 - c0, bs * len(si)
+
+
 def bench_memcpy(case: Case, reps: int, div: int, seed: int) -> Result:
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, REGION, np.uint8)
     dst = np.zeros(REGION, np.uint8)
-
-    def once() -> tuple[float, float, int]:
-        bs, si, di = _plan(case, div, rng)
-        dst.fill(0)
-        s2, d2 = src[: REGION // bs * bs].reshape(-1, bs), dst[: REGION // bs * bs].reshape(-1, bs)
-        c0, t0 = time.process_time(), time.perf_counter()
-        d2[di] = s2[si]
-        t1, c1 = time.perf_counter(), time.process_time()
-        assert _digest(src, bs, si) == _digest(dst, bs, di), "memcpy bytes differ"
-        return t1 - t0, c1 - c0, bs * len(si)
-
-    return _measure(reps, once)
+    return _measure(reps, lambda: _memcpy_once(src, dst, *_plan(case, div, rng)))
 
 
 def bench_tcp(cases: list[Case], reps: int, div: int, seed: int, secret: str | None = None) -> list[Result]:
@@ -103,17 +103,19 @@ def bench_tcp(cases: list[Case], reps: int, div: int, seed: int, secret: str | N
 
 
 def bench_tcp_modes(
-    cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None]
+    cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None], memcpy: bool = False
 ) -> dict[str, list[Result]]:
     """One sender engine and one receiver process per mode (name → secret or None); per case the
-    modes' repetitions alternate, so a noisy box loads them alike."""
+    modes' repetitions alternate (with `memcpy`, an in-process copy of the same blocks goes first in
+    each round, as "memcpy"), so a noisy box loads them alike."""
     from kvferry.transfer.peer import PeerProcess
     from kvferry.transfer.tcp import TcpTransferEngine
 
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, REGION, np.uint8)
     env = {k: v for k, v in os.environ.items() if k != "KVFERRY_SECRET"}
-    out: dict[str, list[Result]] = {m: [] for m in modes}
+    out: dict[str, list[Result]] = {m: [] for m in (["memcpy"] if memcpy else []) + list(modes)}
+    copy_dst = np.zeros(REGION if memcpy else 0, np.uint8)
     with contextlib.ExitStack() as stack:
         ends = {}
         for mode, secret in modes.items():
@@ -142,12 +144,14 @@ def bench_tcp_modes(
             return t1 - t0, (c1 - c0) + (pc1 - pc0), bs * len(si)
 
         for case in cases:
-            samples: dict[str, list[Sample]] = {m: [] for m in modes}
+            samples: dict[str, list[Sample]] = {m: [] for m in out}
             for _ in range(reps):
                 bs, si, di = _plan(case, div, rng)
+                if memcpy:
+                    samples["memcpy"].append(_memcpy_once(src, copy_dst, bs, si, di))
                 for mode in modes:
                     samples[mode].append(once(mode, bs, si, di))
-            for mode in modes:
+            for mode in out:
                 out[mode].append(_summary(samples[mode]))
     return out
 
@@ -219,10 +223,8 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     reps, div = _scale(quick)
     seed = 1234
     cases: list[Case] = list(LAYOUTS)
-    results: dict[str, list[Result]] = {
-        "memcpy": [bench_memcpy(c, reps, div, seed) for c in cases],
-        **bench_tcp_modes(cases, reps, div, seed, {"tcp": None, "tcp+auth": BENCH_SECRET}),
-    }
+    # memcpy rounds alternate with the TCP ones: the same-run ratio then holds on a drifting box.
+    results = bench_tcp_modes(cases, reps, div, seed, {"tcp": None, "tcp+auth": BENCH_SECRET}, memcpy=True)
     mc, why = bench_mooncake(cases, reps, div, seed)
     if mc is not None:
         results["mooncake"] = mc

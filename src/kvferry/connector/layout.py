@@ -215,23 +215,25 @@ def write_ops(
 ) -> list[WriteOp]:
     """Ops copying `heads` of each src block into the matching dst block (in a peer with
     `dst_num_blocks` blocks, default: same as ours; laid out as `dst_layout` when the peer described
-    its memory), adjacent runs merged."""
+    its memory), adjacent runs merged.
+
+    A run merges into any earlier op it continues on both sides, not only the previous one: with a
+    layer-major layout (a region or stride per layer) block b+1's run of a layer continues block b's run
+    of that layer, several runs back, and consecutive blocks then cost one op per layer, not per block."""
     n_dst = layout.num_blocks if dst_num_blocks is None else dst_num_blocks
     ops: list[WriteOp] = []
+    ends: dict[tuple[str, int, str, int], int] = {}  # where an op ends (src, dst) → its index
     for src, dst in zip(src_blocks, dst_blocks, strict=True):
         src_runs, dst_runs = layout.block_runs(src, heads), layout.peer_block_runs(dst, heads, n_dst, dst_layout)
         if [r.length for r in src_runs] != [r.length for r in dst_runs]:
             raise ValueError("peer's KV layout orders a block's bytes differently")
         for s, d in zip(src_runs, dst_runs, strict=True):
-            last = ops[-1] if ops else None
-            if (
-                last
-                and last.src_region == s.region
-                and last.dst_region == d.region
-                and last.src_offset + last.length == s.offset
-                and last.dst_offset + last.length == d.offset
-            ):
-                ops[-1] = WriteOp(s.region, last.src_offset, d.region, last.dst_offset, last.length + s.length)
-            else:
+            k = ends.pop((s.region, s.offset, d.region, d.offset), None)
+            if k is None:
+                k = len(ops)
                 ops.append(WriteOp(s.region, s.offset, d.region, d.offset, s.length))
+            else:
+                last = ops[k]
+                ops[k] = WriteOp(s.region, last.src_offset, d.region, last.dst_offset, last.length + s.length)
+            ends[(s.region, s.offset + s.length, d.region, d.offset + d.length)] = k
     return ops

@@ -1,8 +1,10 @@
 """The built-in data plane: plain TCP, zero-copy gather on send, scatter into registered memory on receive.
 
-Sender (`write`): ops are coalesced, split into messages and sent with `sendmsg` over memoryviews of
-the registered source memory; the call returns once the receiver acknowledged every message.
-Receiver: a listener thread plus one thread per connection; bytes land only inside an open grant
+Sender (`write`): ops are coalesced, split into messages and sent with `sendmsg` straight from the
+registered source memory (an iovec table of addresses, `iovec`; memoryviews with a secret or off
+Linux); the call returns once the receiver acknowledged every message.
+Receiver: a listener thread plus one thread per connection; `recvmsg` scatters each message straight
+into registered memory (the same kind of table), and bytes land only inside an open grant
 (see `tcp_conn` for how `close_grant` fences writers). What a stranger can make it spend is capped
 (`tcp_limits`: connections in total and per IP, handshake, idle and frame deadlines, clamped ttl,
 frame sizes). With a shared secret (argument or env KVFERRY_SECRET) both ends prove knowledge of it

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvferry.transfer import wire
+from kvferry.transfer import iovec, wire
 from kvferry.transfer.base import TransferError, TransferErrorCause
 from kvferry.transfer.stats import Counters
 from kvferry.transfer.tcp_auth import Tags
@@ -196,6 +196,9 @@ class TcpClient:
 
     def _send_message(self, link: _Link, msg: Message, deadline: float) -> None:
         sock, tags = link.sock, link.tags
+        if msg.iov is not None and tags is None:  # a copy: the send consumes rows, a retry resends
+            iovec.Io(sock).send_all(msg.iov.copy(), deadline, self._count_sent)
+            return
         base: list[memoryview] = [memoryview(msg.head), *msg.views]
         bufs = list(base)  # bufs[i] is re-sliced after a partial send
         ends = list(itertools.accumulate(len(b) for b in base))
@@ -225,6 +228,9 @@ class TcpClient:
         if tags is not None:
             sock.settimeout(remaining(deadline))
             sock.sendall(mac.finish())
+
+    def _count_sent(self, n: int) -> None:
+        self._stats.add("bytes_sent", n)
 
     def _read_reply(self, link: _Link, peer: str, deadline: float) -> None:
         raw = recv_exact(link.sock, wire.REPLY.size, deadline)

@@ -11,6 +11,9 @@ connection stays usable; progress counts as bytes land. With a secret, a message
 as they arrive, but they count as written (grant progress, reply OK) only once its tag verified,
 checked under the grant's lock; a bad tag closes the connection and nothing of that message counts.
 Malformed frames close the connection.
+
+Without a secret (on Linux) payload bytes go from the socket straight to their ops' addresses with
+`recvmsg` over an `iovec` table; with one, into memoryviews whose bytes the tag then hashes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvferry.transfer import wire
+from kvferry.transfer import iovec, wire
 from kvferry.transfer.grants import Grant, Progress
 from kvferry.transfer.mac import Mac
 from kvferry.transfer.regions import Region
@@ -180,14 +183,9 @@ class Conn(SockIO):
         stop_at: float,
         head: bytes,
     ) -> None:
-        ridx = ops["region"].tolist()
-        offs = ops["offset"].tolist()
-        lens = ops["length"].tolist()
-        mvs = [r.view for r in regions]
-        base = [mvs[r][o : o + n] for r, o, n in zip(ridx, offs, lens, strict=True)]
-        views = list(base)  # views[i] is re-sliced when op i landed partially
+        ridx, offs, lens = ops["region"].tolist(), ops["offset"].tolist(), ops["length"].tolist()
         ends = list(itertools.accumulate(lens))  # payload position where each op ends
-        n_ops = len(views)
+        n_ops = len(lens)
         progress = Progress(names, ridx, offs, lens)
         live = self.tags is None  # without a secret, progress counts as bytes land
         pos = 0  # payload bytes landed
@@ -196,10 +194,21 @@ class Conn(SockIO):
             if live:
                 progress.done = i
             grant.track(progress)
-        mac, ptrs, hashed = None, [], 0  # with a secret: ops[:hashed] are in the tag's running hash
+        # Where each op lands; checked against its region by `check`, and `regions` keeps them alive.
+        ptrs = np.array([r.addr for r in regions], np.uint64)[ops["region"]] + ops["offset"]
+        # Without a secret (Linux): recvmsg straight into an iovec table, no Python object per op.
+        io = iovec.Io(self.sock) if live and iovec.AVAILABLE else None
+        iov = iovec.table(ptrs, ops["length"]) if io is not None else np.empty((0, 2), np.uint64)
+        base: list[memoryview] = []
+        if io is None:
+            mvs = [r.view for r in regions]
+            base = [mvs[r][o : o + n] for r, o, n in zip(ridx, offs, lens, strict=True)]
+        views = list(base)  # views[i] is re-sliced when op i landed partially
+        mac, hashed = None, 0  # with a secret: ops[:hashed] are in the tag's running hash
+        plist: list[int] = []
         if not live:
             mac = self.start_tag(head)
-            ptrs = (np.array([r.addr for r in regions], np.uint64)[ops["region"]] + ops["offset"]).tolist()
+            plist = ptrs.tolist()
         sock = self.sock
         fenced = False
         try:
@@ -210,24 +219,33 @@ class Conn(SockIO):
                         if not grant.open or not all(r.alive for r in regions):
                             fenced = True
                             break
-                        j = i + wire.IOV_BATCH
-                        if mac is not None:  # a batch small enough to hash while it is in cache
-                            j = wire.tag_batch_end(ends, i, pos)
-                        try:
-                            n = sock.recvmsg_into(views[i:j], 0, socket.MSG_DONTWAIT)[0]
-                        except BlockingIOError:
-                            continue
+                        if io is not None:
+                            got = io.recv(iov, i, i + iovec.IOV_MAX)
+                            if got is None:
+                                continue
+                            n = got
+                        else:
+                            j = i + wire.IOV_BATCH
+                            if mac is not None:  # a batch small enough to hash while it is in cache
+                                j = wire.tag_batch_end(ends, i, pos)
+                            try:
+                                n = sock.recvmsg_into(views[i:j], 0, socket.MSG_DONTWAIT)[0]
+                            except BlockingIOError:
+                                continue
                         if n == 0:
                             raise Eof()
                         pos += n
-                        i = bisect.bisect_right(ends, pos, i)
+                        if io is not None:
+                            i = iovec.advance(iov, ends, i, pos)
+                        else:
+                            i = bisect.bisect_right(ends, pos, i)
                         partial = pos - (ends[i - 1] if i else 0)
-                        if partial:
+                        if partial and io is None:
                             views[i] = base[i][partial:]
                         if live:
                             progress.done, progress.partial = i, partial
                         elif mac is not None and i > hashed:  # ops that just landed are in cache: hash now
-                            mac.update_pieces(base[hashed:i], ptrs[hashed:i])
+                            mac.update_pieces(base[hashed:i], plist[hashed:i])
                             hashed = i
             except (Eof, Stall, OSError):
                 self.server.stats.add("incomplete_writes")

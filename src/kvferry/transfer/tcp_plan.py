@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvferry.transfer import wire
+from kvferry.transfer import iovec, wire
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.regions import RegionTable
 
@@ -23,12 +23,16 @@ E = TransferErrorCause
 
 @dataclass(slots=True)
 class Message:
-    """One wire message: header+meta bytes, then the payload as source memoryviews."""
+    """One wire message: header+meta bytes, then the payload as source memoryviews or an iovec table."""
 
     head: bytes
-    views: list[memoryview]
+    views: list[memoryview]  # empty when `iov` is set
     payload: int
     addrs: list[int] | None = None  # with auth: where each view's bytes start in memory (for the tag)
+    # Without auth (on Linux): rows (address, length), the head first, then each op's source bytes;
+    # `keep` holds the source buffers alive for as long as the message may be sent.
+    iov: np.ndarray | None = None
+    keep: list[object] = field(default_factory=list)
 
 
 def _index(names: list[str]) -> tuple[list[str], np.ndarray]:
@@ -104,12 +108,21 @@ def plan(
         so, do, ln, sid, did = _cut(so, do, ln, sid, did, max_bytes)
     ttl_ms = max(0, min(int((deadline - time.monotonic()) * 1000) + 1, 0xFFFFFFFF))
     addrs = np.array([r.addr for r in src], np.int64)[sid] + so if auth else None
+    by_addr = not auth and iovec.AVAILABLE  # no Python object per op (the tag path hashes views)
+    ptrs = np.array([r.addr for r in src], np.uint64)[sid] + so.astype(np.uint64) if by_addr else None
     messages = []
     for a, b in _bounds(ln, wire.MSG_OPS, max_bytes):
         meta = wire.encode_meta(dnames, did[a:b], do[a:b], ln[a:b])
         payload = int(ln[a:b].sum())
         n = len(ln[a:b])
         head = wire.MSG.pack(wire.MSG_MAGIC, wire.VERSION, raw_token, n, len(meta), payload, ttl_ms)
+        if ptrs is not None:
+            whole = head + meta
+            iov = np.empty((n + 1, 2), np.uint64)
+            iov[0] = (iovec.address(whole), len(whole))
+            iov[1:, 0], iov[1:, 1] = ptrs[a:b], ln[a:b]
+            messages.append(Message(whole, [], payload, iov=iov, keep=[r.view for r in src]))
+            continue
         offs, lens = so[a:b].tolist(), ln[a:b].tolist()
         if len(src) == 1:
             v = src[0].view

@@ -50,7 +50,7 @@ MAX_REGIONS = 1024
 MAX_NAME = 255  # bytes of one region name
 MAX_TABLE = NAME_LEN.size + MAX_REGIONS * (NAME_LEN.size + MAX_NAME)  # the largest region-name table
 MAX_OP_BYTES = 1 << 40
-IOV_BATCH = 512  # iovecs per sendmsg/recvmsg_into call (IOV_MAX is 1024 on Linux)
+IOV_BATCH = 512  # iovecs per socket.sendmsg/recvmsg_into call (memoryview path; `iovec` uses IOV_MAX)
 # With a secret, one sendmsg/recvmsg_into call moves TAG_BATCH bytes (or TAG_BATCH_OPS ops, if more):
 # each batch is hashed right before it is sent or right after it landed, while it is in the core's
 # cache (a quarter of its L2 on the dev box); larger ops go 8 at a time to save syscalls.
