@@ -112,12 +112,17 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
-    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e", "chunked", "model", "vllm"], help="which benchmark")
+    p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e", "chunked", "model", "vllm", "serve"], help="which benchmark")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
     p.add_argument("--model", default="smollm2", help="bench model: the model to measure (tiny, smollm2, a path)")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="bench model: BLAS / torch threads of both sides (1 keeps kvferry deterministic)")
+    p.add_argument("--concurrency", default=None, metavar="N,N,...",
+                   help="bench serve: concurrency levels (default 1,4,16,64; --quick 1,4)")
+    p.add_argument("--poisson", type=float, default=None, metavar="RATE",
+                   help="bench serve: Poisson arrivals at RATE requests/s (default: closed loop)")
+    p.add_argument("--output-tokens", type=int, default=None, help="bench serve: tokens per answer (default 32)")
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -292,6 +297,19 @@ def bench(args: argparse.Namespace) -> int:
         from kvferry.bench import model as model_bench
 
         model_bench.run(args.json_path, quick=args.quick, model=args.model)
+        return 0
+    if args.which == "serve":
+        from dataclasses import replace
+
+        from kvferry.bench import serve as serve_bench
+
+        plan = replace(serve_bench.QUICK if args.quick else serve_bench.ServePlan(), model=args.model,
+                       poisson_rate=args.poisson)
+        if args.concurrency:
+            plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrency.split(",")))
+        if args.output_tokens:
+            plan = replace(plan, output_tokens=args.output_tokens)
+        serve_bench.run(args.json_path, plan=plan)
         return 0
     module = importlib.import_module(f"kvferry.bench.{args.which}")
     module.run(args.json_path, quick=args.quick)

@@ -13,7 +13,7 @@ import math
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -71,6 +71,8 @@ class RequestResult:
     error_code: str | None = None
     error_message: str | None = None
     transfer_id: str | None = None  # the proxy's x-kvferry-transfer-id (its last attempt)
+    # (seconds since the run started, completion tokens so far) per stream event carrying usage (for ITL)
+    token_times: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
@@ -87,6 +89,7 @@ class RequestResult:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("text")
+        d.pop("token_times")
         d["ttft_s"], d["latency_s"] = self.ttft, self.latency
         return d
 
@@ -158,6 +161,8 @@ async def run_request(
                         result.outcome = "error"
                         return
                     parts.append(event["choices"][0]["text"])
+                    if "usage" in event:
+                        result.token_times.append((time.monotonic() - t0, int(event["usage"]["completion_tokens"])))
                 result.text = "".join(parts)
                 if done:
                     result.outcome = "ok"

@@ -1,0 +1,198 @@
+"""`kvferry bench serve`: serving throughput and latency under concurrent load, colocated and P/D.
+
+One colocated instance (`kvferry serve --role both`) and one P/D system (P, D, `kvferry proxy`, via
+`PDSystem`) run on free loopback ports, every process with single-threaded BLAS. For each concurrency
+(default 1, 4, 16, 64) the load client (kvferry.harness.client) sends `requests` streaming greedy
+completions (ignore_eos, `output_tokens` each) to one mode, then the other: closed loop (at most
+`concurrency` in flight, the next sent as one finishes), or with `--poisson RATE` arrivals of a Poisson
+process at RATE requests/s (still at most `concurrency` in flight). Prompts are byte tokens from a fixed
+seed: a pool of `pool` prompts, request i asks prompt i % pool, so the same prompt runs in many
+different batches.
+
+Figures: output tok/s and requests/s over the wall time of the level (first send to last answer); TTFT =
+time to the response headers (sent with the first token); ITL = the time between two stream events,
+spread over the tokens the later one brought. Every answer must be bit-identical to a one-at-a-time
+greedy run of its prompt in this process (`generate_greedy`: one sequence alone), or the bench raises
+(after printing the table): that is what batched decoding must not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvferry.bench.report import report
+from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_request, run_workload
+from kvferry.harness.processes import (
+    LOOPBACK,
+    ManagedProcess,
+    PDSystem,
+    PDSystemConfig,
+    blas_env,
+    free_port,
+    wait_all_healthy,
+)
+from kvferry.harness.sampler import is_drained, wait_drained
+
+SEED = 0
+BLOCK_SIZE = 16
+CONCURRENCIES = (1, 4, 16, 64)
+PROMPT_TOKENS = (32, 160)  # prompt lengths drawn uniformly from this range
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    concurrencies: tuple[int, ...] = CONCURRENCIES
+    output_tokens: int = 32
+    pool: int = 16  # distinct prompts
+    min_requests: int = 8  # per level: max(min_requests, 2 * concurrency)
+    poisson_rate: float | None = None  # requests/s; None = closed loop
+    model: str = "smollm2"
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.min_requests, 2 * concurrency)
+
+
+QUICK = ServePlan(concurrencies=(1, 4), output_tokens=8, pool=4, min_requests=4)
+
+
+def prompt_pool(count: int, seed: int = SEED) -> list[list[int]]:
+    rng = random.Random(f"kvferry-serve-{seed}")
+    return [[rng.randrange(256) for _ in range(rng.randint(*PROMPT_TOKENS))] for _ in range(count)]
+
+
+async def _poisson(url: str, items: Sequence[WorkItem], results: Sequence[RequestResult], t0: float,
+                   concurrency: int, rate: float, seed: int) -> None:
+    """Open loop: request i is sent at the i-th arrival of a Poisson process (then waits for a slot)."""
+    rng = random.Random(seed)
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as client:
+
+        async def one(item: WorkItem, result: RequestResult, at: float) -> None:
+            await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+            async with semaphore:
+                await run_request(client, url, item, result, t0, REQUEST_TIMEOUT_S)
+
+        at, tasks = 0.0, []
+        for item, result in zip(items, results, strict=True):
+            at += rng.expovariate(rate)
+            tasks.append(one(item, result, at))
+        await asyncio.gather(*tasks)
+
+
+def _itl(result: RequestResult) -> list[float]:
+    out: list[float] = []
+    if result.first_token_at is None:
+        return out
+    last_t, last_n = result.first_token_at, 1  # the headers leave with the first token
+    for t, n in result.token_times:
+        if n > last_n:
+            out += [(t - last_t) / (n - last_n)] * (n - last_n)
+            last_t, last_n = t, n
+    return out
+
+
+def run_level(url: str, mode: str, concurrency: int, plan: ServePlan, pool: list[list[int]]) -> tuple[dict[str, Any], list[RequestResult]]:
+    items = [WorkItem(i, pool[i % len(pool)], plan.output_tokens) for i in range(plan.requests(concurrency))]
+    results = new_results(items)
+    t0 = time.monotonic()
+    if plan.poisson_rate:
+        asyncio.run(_poisson(url, items, results, t0, concurrency, plan.poisson_rate, SEED + concurrency))
+    else:
+        asyncio.run(run_workload(url, items, results, t0, concurrency, REQUEST_TIMEOUT_S))
+    bad = [r for r in results if r.outcome != "ok"]
+    if bad:
+        raise RuntimeError(f"{mode} at concurrency {concurrency}: {len(bad)} requests not ok, first: {bad[0].as_dict()}")
+    begin = min(r.sent_at or 0.0 for r in results)
+    wall = max(r.finished_at or 0.0 for r in results) - begin
+    tokens = sum(r.token_times[-1][1] if r.token_times else 0 for r in results)
+    ttft = [r.ttft for r in results if r.ttft is not None]
+    itl = [gap for r in results for gap in _itl(r)]
+    row = {
+        "mode": mode,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "output_tok_s": tokens / wall,
+        "requests_s": len(results) / wall,
+        "ttft_p50_ms": _ms(percentile(ttft, 50)),
+        "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(percentile(itl, 50)),
+        "itl_p99_ms": _ms(percentile(itl, 99)),
+        "bit_identical": None,
+    }
+    return row, results
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def references(plan: ServePlan, pool: list[list[int]]) -> list[str]:
+    """Each prompt's answer from one sequence alone, prefilled in one call and decoded token by token."""
+    from kvferry.engine.loader import load_model
+
+    loaded = load_model(plan.model, SEED)
+    return [loaded.codec.decode(loaded.model.generate_greedy(p, plan.output_tokens, stop_at_eos=False)) for p in pool]
+
+
+def _colocated(plan: ServePlan, num_blocks: int) -> ManagedProcess:
+    port = free_port()
+    args = ["serve", "--role", "both", "--host", LOOPBACK, "--port", str(port), "--seed", str(SEED),
+            "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--model", plan.model,
+            "--log-level", "warning"]
+    return ManagedProcess("colocated", args, f"http://{LOOPBACK}:{port}", blas_env(1))
+
+
+def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | None = None) -> list[dict[str, Any]]:
+    """Measure both modes at every concurrency, print the table (and --json); raises if an answer differs
+    from its one-at-a-time reference or a block leaks."""
+    plan = plan or (QUICK if quick else ServePlan())
+    pool = prompt_pool(plan.pool)
+    # Every request of the widest level holds its prompt + output at once, with room to spare.
+    num_blocks = 2 * max(plan.concurrencies) * (-(-(PROMPT_TOKENS[1] + plan.output_tokens) // BLOCK_SIZE)) + 64
+    pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                                 serve_args=("--model", plan.model), abort_timeout=REQUEST_TIMEOUT_S,
+                                 kv_load_deadline=REQUEST_TIMEOUT_S))
+    colocated: ManagedProcess | None = None
+    rows: list[dict[str, Any]] = []
+    answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
+    try:
+        colocated = _colocated(plan, num_blocks)
+        pd.start(timeout=180)
+        wait_all_healthy([colocated], 180)
+        assert pd.proxy is not None and pd.prefill is not None and pd.decode is not None
+        for url in (colocated.url, pd.proxy.url):  # warm-up: connections, first allocations, D's first pull
+            run_level(url, "warm-up", 2, ServePlan(output_tokens=2, min_requests=2, model=plan.model), pool[:2])
+        for concurrency in plan.concurrencies:
+            for mode, url in (("colocated", colocated.url), ("disaggregated", pd.proxy.url)):
+                row, results = run_level(url, mode, concurrency, plan, pool)
+                rows.append(row)
+                answers.append((row, results))
+        states = wait_drained([pd.prefill.url, pd.decode.url, colocated.url], 30)
+        for name, state in zip(("P", "D", "colocated"), states, strict=True):
+            if state is None or not is_drained(state):
+                raise RuntimeError(f"{name} still holds KV blocks or requests after the run: {state}")
+    finally:
+        pd.stop()
+        if colocated is not None:
+            colocated.stop()
+    expected = references(plan, pool)
+    mismatches = []
+    for row, results in answers:
+        wrong = [r.index for r in results if r.text != expected[r.index % len(pool)]]
+        row["bit_identical"] = f"{len(results) - len(wrong)}/{len(results)}"
+        mismatches += [(row["mode"], row["concurrency"], i) for i in wrong]
+    arrivals = f"Poisson {plan.poisson_rate:g} req/s" if plan.poisson_rate else "closed loop"
+    report(f"kvferry bench serve: {plan.model}, {plan.output_tokens} output tokens per request, {arrivals}, "
+           f"answers vs one-at-a-time greedy", rows, json_path)
+    if mismatches:
+        raise RuntimeError(f"{len(mismatches)} answers differ from their one-at-a-time run: {mismatches[:10]}")
+    return rows

@@ -1,0 +1,34 @@
+"""Smoke test of `kvferry bench serve`: tiny model, two concurrency levels, colocated and P/D."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvferry.bench import serve
+from kvferry.harness.client import RequestResult
+
+
+def test_serve_bench_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    plan = serve.ServePlan(concurrencies=(1, 5), output_tokens=6, pool=3, min_requests=3, model="tiny")
+    rows = serve.run(str(out), plan=plan)  # raises if an answer differs from its one-at-a-time run
+    assert [(r["mode"], r["concurrency"], r["requests"]) for r in rows] == [
+        ("colocated", 1, 3), ("disaggregated", 1, 3), ("colocated", 5, 10), ("disaggregated", 5, 10),
+    ]
+    for row in rows:
+        assert row["output_tok_s"] > 0 and row["requests_s"] > 0
+        assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0
+        assert row["bit_identical"] == f"{row['requests']}/{row['requests']}"
+    assert json.loads(out.read_text()) == rows
+
+
+def test_serve_bench_poisson(tmp_path: Path) -> None:
+    plan = serve.ServePlan(concurrencies=(3,), output_tokens=4, pool=2, min_requests=4, poisson_rate=50.0, model="tiny")
+    rows = serve.run(None, plan=plan)
+    assert [r["bit_identical"] for r in rows] == ["6/6", "6/6"]
+
+
+def test_itl_spreads_a_gap_over_the_tokens_it_brought() -> None:
+    result = RequestResult(0, 1, 4, first_token_at=1.0, token_times=[(1.0, 1), (1.5, 2), (2.5, 4)])
+    assert serve._itl(result) == [0.5, 0.5, 0.5]
