@@ -3,7 +3,7 @@ transformers (torch, CPU, float32) on the same weights in the same run when torc
 
 Both sides use the same thread count (`--blas-threads`, default 1: kvferry's determinism needs one
 count everywhere). Prefill: one prompt of N tokens, one call. Decode: 32 tokens at batch 1, greedy,
-after a 128-token prompt (one sequence per call: its generated rows in a zero-padded 8-row tile).
+after a 128-token prompt (the numpy engine decodes one sequence per call).
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from typing import Any
 
 from kvferry.connector.base import KVConnector, NoOpConnector
 from kvferry.connector.metrics import Metrics
-from kvferry.engine.batched import SeqChunk
 from kvferry.engine.block_pool import BlockPool
 from kvferry.engine.loader import LoadedModel, load_model
 from kvferry.engine.model import ModelConfig, TinyLlama, sample
@@ -282,25 +281,20 @@ class Engine:
         out = self.scheduler.schedule()
         self.worker_connector.start_load_kv(self.scheduler_connector.build_connector_meta(out))
         sampled: dict[str, int] = {}
-        # One forward for every chunk of the step: each weight is read once, and each sequence gets the
-        # bits it would get alone (kvferry.engine.batched).
-        block_tables = self.scheduler.block_tables
-        seq_chunks = [
-            SeqChunk(
-                chunk.request.token_ids(chunk.start_pos, chunk.start_pos + chunk.num_tokens),
+        for chunk in out.chunks:
+            request = chunk.request
+            end = chunk.start_pos + chunk.num_tokens
+            logits = self.model.forward(
+                self.kv_cache,
+                self.config.block_size,
+                request.token_ids(chunk.start_pos, end),
                 chunk.start_pos,
-                block_tables[chunk.request.request_id],
-                chunk.request.num_prompt_tokens,
-                want_logits=chunk.start_pos + chunk.num_tokens == chunk.request.num_tokens,
+                self.scheduler.block_tables[request.request_id],
+                request.num_prompt_tokens,
             )
-            for chunk in out.chunks
-        ]
-        if seq_chunks:
-            all_logits = self.model.forward_batch(self.kv_cache, self.config.block_size, seq_chunks)
-            for chunk, logits in zip(out.chunks, all_logits, strict=True):
-                if logits is not None:
-                    request, params = chunk.request, chunk.request.sampling_params
-                    sampled[request.request_id] = sample(logits, params.temperature, params.seed, request.num_tokens)
+            if end == request.num_tokens:
+                params = request.sampling_params
+                sampled[request.request_id] = sample(logits, params.temperature, params.seed, request.num_tokens)
         finished_sending, finished_recving = self.worker_connector.get_finished(out.finished_req_ids)
         if finished_sending:
             self.scheduler_connector.transfers_ended(finished_sending)

@@ -9,22 +9,22 @@ operation that touches position p has operands whose shapes and strides depend o
 on whether p is a prompt position or a generated one (`prompt_len`):
   * norms run on a fixed `[block_size, hidden]` tile, position p at row `p % block_size`, unused rows
     zero; linear layers run on that whole tile for prompt positions (one matrix product: prefill
-    speed), while generated positions, of all sequences of the step, are gathered into fixed-height
-    row tiles (batched.py: `ROW_TILE` rows, one product each), so a generated token never pays for a
-    whole block tile, and a batch of decoding sequences reads each weight once;
-  * the LM head runs on the last position's row alone, in the same fixed-height row tiles;
+    speed) and row by row for generated positions (one vector-matrix product each: what decoding
+    costs in any engine), so a generated token never pays for a whole tile;
+  * the LM head runs on the last position's row alone (a vector-matrix product);
   * attention for block b reads exactly `(b + 1) * block_size` keys/values, gathered into a per-thread
     buffer of fixed capacity (so the operands also have the same strides whatever the call's length);
     keys after the chunk's last position are zero and masked, so stale cache contents never matter.
 So the K/V written and the logits are the same bits whether a prompt is run in one call, split at any
 position, continued from K/V copied in from elsewhere, decoded token by token, recomputed after a
-preemption, or batched with any other sequences (`forward_batch`, one call per engine step). This holds for one CPU type,
+preemption, or interleaved with other sequences (one call per sequence). This holds for one CPU type,
 numpy/OpenBLAS build and BLAS thread count: OpenBLAS splits a matmul differently with a different
 OPENBLAS_NUM_THREADS.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -34,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvferry.connector.base import KVCacheSpec
-from kvferry.engine.batched import SeqChunk, forward_batch
-from kvferry.engine.model_math import FloatArray, TileRows, future_mask, rope
 from kvferry.engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+
+FloatArray = npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,15 @@ class ModelConfig:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
+
+
+@dataclass(frozen=True)
+class TileRows:
+    """A tile's live rows [lo, hi): prompt positions in [lo, split), generated ones in [split, hi)."""
+
+    lo: int
+    split: int
+    hi: int
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,9 @@ class TinyLlama:
         self.config = cfg = config or ModelConfig()
         w = weights or random_weights(cfg)
         self.embed, self.layers, self.final_norm, self.lm_head = w.embed, w.layers, w.final_norm, w.lm_head
+        # `[vocab, hidden]`, row-major: for tied weights that is `embed` itself (no copy), and a
+        # matrix-vector product over it reads memory in order (about twice as fast as `x @ lm_head`).
+        self._lm_head_rows = np.ascontiguousarray(self.lm_head.T)
 
         inv_freq = cfg.rope_theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
         angles = np.outer(np.arange(cfg.max_position, dtype=np.float64), inv_freq)
@@ -145,57 +157,76 @@ class TinyLlama:
         Positions before start_pos must already be in the cache; the new K/V are written into it.
         Positions from `prompt_len` on are generated tokens (None: all are prompt positions); every
         caller must say the same for a sequence, since the two kinds are computed differently.
-        A batch of one: `forward_batch` gives the same bits for it alone or among other sequences.
         """
-        logits = self.forward_batch(kv_cache, block_size, [SeqChunk(token_ids, start_pos, block_table, prompt_len)])
-        assert logits[0] is not None
-        return logits[0]
-
-    def forward_batch(self, kv_cache: FloatArray, block_size: int, chunks: Sequence[SeqChunk]) -> list[FloatArray | None]:
-        """One forward for several distinct sequences (an engine step): see kvferry.engine.batched."""
-        return forward_batch(self, kv_cache, block_size, chunks)
-
-    def attend_sequence(
-        self,
-        kv_cache: FloatArray,
-        block_size: int,
-        layer_index: int,
-        table: npt.NDArray[np.int64],
-        start_pos: int,
-        end_pos: int,
-        first_block: int,
-        live: Sequence[TileRows],
-        qkv: FloatArray,
-    ) -> FloatArray:
-        """Attention outputs `[num_tiles, block_size, heads * head_dim]` (before o_proj) of one sequence's
-        tiles at one layer, from their q/k/v projections; writes the new K/V into the cache."""
-        kv = self._scratch_kv(block_size)
-        # Whole blocks are loaded; their slots from start_pos on are overwritten or zeroed below.
-        self._load_cached_kv(kv, kv_cache[table[: -(-start_pos // block_size)], layer_index])
-        kv[:, :, end_pos : (first_block + len(live)) * block_size] = 0.0
         cfg = self.config
-        out = np.zeros((len(live), block_size, cfg.num_heads * cfg.head_dim), dtype=np.float32)
-        for tile_index, rows in enumerate(live):
-            block = first_block + tile_index
-            out[tile_index] = self._attention(qkv[tile_index], kv, block, rows, block_size)
-            new_positions = slice(block * block_size + rows.lo, block * block_size + rows.hi)
-            kv_cache[table[block], layer_index, :, :, rows.lo : rows.hi] = kv[:, :, new_positions]
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        end_pos = start_pos + len(tokens)
+        first_block, last_block = start_pos // block_size, (end_pos - 1) // block_size
+        table = np.asarray(block_table[: last_block + 1], dtype=np.int64)
+        self._validate(kv_cache, block_size, tokens, start_pos, end_pos, table)
+
+        num_tiles = last_block - first_block + 1
+        tiles = np.zeros((num_tiles, block_size, cfg.hidden_size), dtype=np.float32)
+        rows = np.arange(start_pos, end_pos) - first_block * block_size
+        tiles.reshape(-1, cfg.hidden_size)[rows] = self.embed[tokens]
+
+        generated_from = end_pos if prompt_len is None else max(prompt_len, 0)
+        live_rows = [self._tile_rows(first_block + i, start_pos, end_pos, generated_from, block_size)
+                   for i in range(num_tiles)]
+        kv = self._scratch_kv(block_size)
+        prefix_len = (last_block + 1) * block_size
+        for layer_index, weights in enumerate(self.layers):
+            # Whole blocks are loaded; their slots from start_pos on are overwritten or zeroed below.
+            self._load_cached_kv(kv, kv_cache[table[: -(-start_pos // block_size)], layer_index])
+            kv[:, :, end_pos:prefix_len] = 0.0
+            for tile_index, live in enumerate(live_rows):
+                block = first_block + tile_index
+                x = tiles[tile_index]
+                x += self._attention(x, weights, kv, block, live, block_size)
+                new_positions = slice(block * block_size + live.lo, block * block_size + live.hi)
+                kv_cache[table[block], layer_index, :, :, live.lo : live.hi] = kv[:, :, new_positions]
+                x += self._mlp(x, weights, live)
+
+        last_row = _rms_norm(tiles[-1], self.final_norm, cfg.rms_eps)[(end_pos - 1) % block_size]
+        logits: FloatArray = self._lm_head_rows @ last_row
+        return logits
+
+    @staticmethod
+    def _tile_rows(block: int, start_pos: int, end_pos: int, generated_from: int, block_size: int) -> TileRows:
+        base = block * block_size
+        lo, hi = max(start_pos, base) - base, min(end_pos, base + block_size) - base
+        split = min(max(generated_from - base, lo), hi)
+        return TileRows(lo=lo, split=split, hi=hi)
+
+    @staticmethod
+    def _linear(x: FloatArray, weight: FloatArray, rows: TileRows) -> FloatArray:
+        """`x @ weight` for the tile's live rows: the whole tile if a prompt row is live, then each
+        generated row as its own vector-matrix product (a batch of them is still one product each)."""
+        if rows.lo < rows.split:
+            out: FloatArray = x @ weight
+        else:
+            out = np.zeros((x.shape[0], weight.shape[1]), dtype=np.float32)
+        if rows.split < rows.hi:
+            out[rows.split : rows.hi] = (x[rows.split : rows.hi, None, :] @ weight)[:, 0]
         return out
 
-    def _attention(self, qkv: FloatArray, kv: FloatArray, block: int, rows: TileRows, block_size: int) -> FloatArray:
-        """Attention of the tile of `block` (`[block_size, heads * head_dim]`); also fills its live rows in `kv`."""
+    def _attention(
+        self, x: FloatArray, w: LayerWeights, kv: FloatArray, block: int, rows: TileRows, block_size: int
+    ) -> FloatArray:
+        """Attention output for the tile of `block`; also fills its live rows in `kv`."""
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = heads // kv_heads
+        qkv = self._linear(_rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv, rows)
         q = qkv[:, : heads * head_dim].reshape(block_size, heads, head_dim)
         k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(block_size, kv_heads, head_dim)
         v = qkv[:, (heads + kv_heads) * head_dim :].reshape(block_size, kv_heads, head_dim)
         positions = slice(block * block_size, (block + 1) * block_size)
         cos, sin = self._rope_cos[positions, None, :], self._rope_sin[positions, None, :]
-        q = rope(q, cos, sin) * self._q_scale
+        q = _rope(q, cos, sin) * self._q_scale
         lo, hi = rows.lo, rows.hi
         new = slice(block * block_size + lo, block * block_size + hi)
-        kv[0, :, new] = rope(k, cos, sin)[lo:hi].transpose(1, 0, 2)
+        kv[0, :, new] = _rope(k, cos, sin)[lo:hi].transpose(1, 0, 2)
         kv[1, :, new] = v[lo:hi].transpose(1, 0, 2)
 
         num_keys = (block + 1) * block_size
@@ -205,13 +236,20 @@ class TinyLlama:
         q_grouped = q.reshape(block_size, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
         scores = q_grouped.reshape(kv_heads, group * block_size, head_dim) @ keys_t
         own_block = scores.reshape(kv_heads, group, block_size, num_keys)[..., num_keys - block_size :]
-        np.copyto(own_block, -np.inf, where=future_mask(block_size))
+        np.copyto(own_block, -np.inf, where=_future_mask(block_size))
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         denominators = scores.sum(axis=-1, keepdims=True)
         out = (scores @ values) / denominators  # [kv_heads, group * block_size, head_dim]
         out = out.reshape(kv_heads, group, block_size, head_dim).transpose(2, 0, 1, 3)
-        return np.ascontiguousarray(out).reshape(block_size, heads * head_dim)
+        return self._linear(np.ascontiguousarray(out).reshape(block_size, heads * head_dim), w.o_proj, rows)
+
+    def _mlp(self, x: FloatArray, w: LayerWeights, rows: TileRows) -> FloatArray:
+        cfg = self.config
+        gate_up = self._linear(_rms_norm(x, w.mlp_norm, cfg.rms_eps), w.gate_up, rows)
+        gate, up = gate_up[:, : cfg.ffn_size], gate_up[:, cfg.ffn_size :]
+        silu = gate / (np.float32(1.0) + np.exp(-gate))
+        return self._linear(np.ascontiguousarray(silu * up), w.down, rows)
 
     def _scratch_kv(self, block_size: int) -> FloatArray:
         """This thread's `[2, kv_heads, capacity, head_dim]` K/V of the sequence being run.
@@ -232,7 +270,7 @@ class TinyLlama:
         by_block = kv.reshape(2, kv_heads, -1, block_size, head_dim)
         np.copyto(by_block[:, :, :num_blocks], cached_blocks.transpose(1, 2, 0, 3, 4))
 
-    def validate(
+    def _validate(
         self,
         kv_cache: FloatArray,
         block_size: int,
@@ -299,3 +337,25 @@ def sample(logits: FloatArray, temperature: float, seed: int | None, position: i
     rng = np.random.default_rng(None if seed is None else (seed, position))
     index = int(np.searchsorted(cumulative, rng.random(), side="right"))
     return min(index, len(cumulative) - 1)
+
+
+def _rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
+    mean_square = np.mean(x * x, axis=-1, keepdims=True)
+    normed: FloatArray = (x / np.sqrt(mean_square + np.float32(eps))) * weight
+    return normed
+
+
+def _rope(x: FloatArray, cos: FloatArray, sin: FloatArray) -> FloatArray:
+    """Rotate-half RoPE on `[rows, heads, head_dim]` with `cos`/`sin` of shape `[rows, 1, head_dim / 2]`."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = np.empty_like(x)
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:] = x2 * cos + x1 * sin
+    return out
+
+
+@functools.cache
+def _future_mask(block_size: int) -> npt.NDArray[np.bool_]:
+    """[row, key] within one block: True where the key's position is after the row's."""
+    return np.triu(np.ones((block_size, block_size), dtype=np.bool_), k=1)
