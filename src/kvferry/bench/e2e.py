@@ -41,7 +41,7 @@ from kvferry.harness.processes import (
     free_port,
     wait_all_healthy,
 )
-from kvferry.harness.sampler import MetricSnapshot, is_drained, parse_metrics, wait_drained
+from kvferry.harness.sampler import MetricSnapshot, parse_metrics, require_drained
 
 OUTPUT_TOKENS = 16
 SEED = 0
@@ -236,10 +236,7 @@ def run(
         wait_all_healthy([colocated], 60)
         assert pd.proxy is not None and pd.prefill is not None and pd.decode is not None
         rows = measure(colocated.url, pd.proxy.url, pd.prefill.url, pd.decode.url, plan)
-        states = wait_drained([pd.prefill.url, pd.decode.url, colocated.url], 15)
-        for name, state in zip(("P", "D", "colocated"), states, strict=True):
-            if state is None or not is_drained(state):
-                raise RuntimeError(f"{name} still holds KV blocks or requests after the run: {state}")
+        require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": colocated.url}, 15)
     finally:
         pd.stop()
         if colocated is not None:

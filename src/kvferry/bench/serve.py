@@ -38,7 +38,7 @@ from kvferry.harness.processes import (
     free_port,
     wait_all_healthy,
 )
-from kvferry.harness.sampler import is_drained, wait_drained
+from kvferry.harness.sampler import require_drained
 
 SEED = 0
 BLOCK_SIZE = 16
@@ -176,10 +176,7 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
                 row, results = run_level(url, mode, concurrency, plan, pool)
                 rows.append(row)
                 answers.append((row, results))
-        states = wait_drained([pd.prefill.url, pd.decode.url, colocated.url], 30)
-        for name, state in zip(("P", "D", "colocated"), states, strict=True):
-            if state is None or not is_drained(state):
-                raise RuntimeError(f"{name} still holds KV blocks or requests after the run: {state}")
+        require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": colocated.url}, 30)
     finally:
         pd.stop()
         if colocated is not None:

@@ -153,3 +153,11 @@ class SystemSampler:
                 *(loop(self.poll_metrics, client, name) for name in self.urls),
                 *(loop(self.poll_state, client, name) for name in self.urls),
             )
+
+
+def require_drained(named: dict[str, str], timeout: float) -> None:
+    """`wait_drained` for {name: url}; RuntimeError naming the first instance that still holds anything."""
+    states = wait_drained(list(named.values()), timeout)
+    for name, state in zip(named, states, strict=True):
+        if state is None or not is_drained(state):
+            raise RuntimeError(f"{name} still holds KV blocks or requests after the run: {state}")
