@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvferry.connector.auth import deployment_secret
+from kvferry.connector.auth import deployment_secret, is_loopback
 from kvferry.connector.base import ConnectorRole, KVConnector
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.faults import FaultSpec
@@ -18,6 +18,7 @@ from kvferry.connector.metrics import Metrics
 from kvferry.connector.pd import PDConfig, PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
+from kvferry.transfer.wire import join_addr
 
 MODEL_HELP = f"model: {MODEL_CHOICES_HELP}"
 
@@ -69,18 +70,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
 
 
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _check_exposure(args: argparse.Namespace) -> bool:
     """No secret, no network: a non-loopback listener without KVFERRY_SECRET needs --insecure."""
-    if _loopback(args.host) or deployment_secret() is not None:
+    if is_loopback(args.host) or deployment_secret() is not None:
         return True
     if not args.insecure:
         print(f"kvferry serve: --host {args.host} is reachable from other machines, and KVFERRY_SECRET is not "
@@ -252,7 +244,7 @@ def serve(args: argparse.Namespace) -> int:
         role=args.role,
         engine_id=engine_id,
     )
-    extra = {"kv_bootstrap_addr": f"{advertised}:{args.bootstrap_port}"} if args.role == "prefill" else {}
+    extra = {"kv_bootstrap_addr": join_addr(advertised, args.bootstrap_port)} if args.role == "prefill" else {}
     engine = Engine(config, scheduler_connector, worker_connector, metrics, loaded)
     engine.start()
     names = args.served_model_name or [loaded.name, args.model]

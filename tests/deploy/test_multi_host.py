@@ -18,7 +18,6 @@ docs/deploy.md shows exactly these commands and rules."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -41,7 +40,7 @@ from kvferry.harness.network import unavailable_reason
 from kvferry.harness.processes import ManagedProcess, wait_all_healthy
 from kvferry.harness.sampler import parse_metrics
 from procs import wait_until
-from routers.router_procs import Router
+from routers.router_procs import Router, completion_text
 
 REASON = None if (_why := unavailable_reason()) is None else f"hosts as network namespaces: {_why}"
 if REASON is None and shutil.which("vllm-router") is None:
@@ -197,15 +196,6 @@ def complete(url: str, prompt: str, stream: bool = False, params: dict[str, Any]
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-def text_of(r: httpx.Response, stream: bool) -> str:
-    assert r.status_code == 200, r.text
-    if not stream:
-        return str(r.json()["choices"][0]["text"])
-    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", r.text[-500:]
-    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
-
-
 def chat(url: str, message: str) -> str:
     body = {"model": "kvferry-tiny-llama", "messages": [{"role": "user", "content": message}],
             "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -225,7 +215,7 @@ def state(url: str) -> dict[str, Any]:
 
 def colocated(decode: ManagedProcess) -> tuple[dict[str, str], dict[str, str]]:
     """D's own answers (no kv_transfer_params: D computes the prompt itself, as a colocated instance)."""
-    texts = {p: text_of(complete(decode.url, p), False) for p in PROMPTS}
+    texts = {p: completion_text(complete(decode.url, p), False) for p in PROMPTS}
     chats = {p: chat(decode.url, p) for p in PROMPTS[:2]}
     return texts, chats
 
@@ -309,7 +299,7 @@ def test_router_answers_equal_colocated_across_hosts(on_router_host: Cluster, mo
     sent = 0
     for stream in (False, True):
         for prompt in PROMPTS:
-            assert text_of(complete(router.url, prompt, stream), stream) == texts[prompt], (mode, prompt, stream)
+            assert completion_text(complete(router.url, prompt, stream), stream) == texts[prompt], (mode, prompt, stream)
             sent += 1
     for message, answer in chats.items():
         assert chat(router.url, message) == answer, (mode, message)
@@ -365,7 +355,7 @@ def test_kill_prefill_errors_within_a_second_and_a_restarted_prefill_serves(on_r
     c.start_prefill()
     wait_all_healthy([c.prefill], 90)
     for url in (nixl, mooncake):
-        assert text_of(complete(url, PROMPTS[2]), False) == texts[PROMPTS[2]]
+        assert completion_text(complete(url, PROMPTS[2]), False) == texts[PROMPTS[2]]
 
     # 4. A request in flight through vllm-router (NIXL: P first, then D), P killed in its prefill: the
     #    router's error within 1 s; the next P at the same address serves again.
@@ -382,7 +372,7 @@ def test_kill_prefill_errors_within_a_second_and_a_restarted_prefill_serves(on_r
     wait_all_healthy([c.prefill], 90)
     for url in (nixl, mooncake):
         for prompt in PROMPTS[:2]:
-            assert text_of(complete(url, prompt), False) == texts[prompt]
+            assert completion_text(complete(url, prompt), False) == texts[prompt]
 
     # Nothing left behind: neither side holds a block or a request.
     def idle() -> bool:

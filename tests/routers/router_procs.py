@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -17,6 +18,16 @@ import httpx
 from procs import Proc, free_port
 
 MODES = ("vllm-nixl", "vllm-mooncake", "sglang")
+
+
+def completion_text(r: httpx.Response, stream: bool) -> str:
+    """The text of a completion answer, or of its SSE stream (which must end with [DONE])."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        return str(r.json()["choices"][0]["text"])
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", r.text[-500:]
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
 
 
 def bootstrap_port(p: Proc) -> int:

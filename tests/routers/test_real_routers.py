@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from router_procs import MODES, router
+from router_procs import MODES, completion_text, router
 
 from kvferry.harness.sampler import parse_metrics
 from procs import Proc, free_port, running, serve, wait_until
@@ -53,13 +53,7 @@ def cluster() -> Iterator[Cluster]:
 def complete(url: str, prompt: str, stream: bool) -> str:
     body = {"model": "kvferry-tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": stream}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    if not stream:
-        return str(r.json()["choices"][0]["text"])
-    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", r.text[-500:]
-    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    return completion_text(httpx.post(f"{url}/v1/completions", json=body, timeout=60), stream)
 
 
 def chat(url: str, message: str, stream: bool) -> str:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connector.test_hostile_input import Rig
-from kvferry.connector.auth import HEADER, MAGIC, TO_PREFILL, Sealer
+from kvferry.connector.auth import HEADER_BYTES, MAGIC, TO_PREFILL, Sealer
 from kvferry.connector.messages import Heartbeat, PullRequest, Release, encode
 from sealed import Sealed
 
@@ -54,7 +54,7 @@ def test_forged_control_messages_are_dropped(rig: Rig, payload: bytes, how: str,
     if how == "unsealed":
         data = payload
     elif how == "bad header":
-        data = MAGIC + bytes(HEADER.size - len(MAGIC)) + payload
+        data = MAGIC + bytes(HEADER_BYTES - len(MAGIC)) + payload
     else:
         data = Sealer(b"another secret" if how == "other key" else None, TO_PREFILL).seal(payload)
         if how == "mangled":  # our own key, one bit flipped after sealing

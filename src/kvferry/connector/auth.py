@@ -13,23 +13,34 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import struct
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import xxhash
 
 MAGIC = b"KVC1"
 TO_PREFILL = 1  # D → P: pulls, heartbeats, releases
 TO_DECODE = 2  # P → D: replies, acks
-HEADER = struct.Struct("<4sB3x16sQ16s")  # magic, direction, session, seq, mac
+HEAD = struct.Struct("<4sB3x16sQ")  # magic, direction, session, seq: what the MAC covers with the payload
 MAC_BYTES = 16
+HEADER_BYTES = HEAD.size + MAC_BYTES
 MAX_SESSIONS = 65_536  # sender sessions a receiver remembers (one per D rank socket, or P rank)
 
 
 class AuthError(ValueError):
     """A control message that is not sealed with our secret (or is replayed, or malformed)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Reachable only from this machine: where kvferry may listen without a secret."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def deployment_secret() -> bytes | None:
@@ -57,7 +68,7 @@ class Sealer:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        head = struct.pack("<4sB3x16sQ", MAGIC, self._direction, self._session, seq)
+        head = HEAD.pack(MAGIC, self._direction, self._session, seq)
         mac = _mac(self._key, head, payload) if self._key else bytes(MAC_BYTES)
         return head + mac + payload
 
@@ -75,15 +86,15 @@ class Opener:
         return self._key is not None
 
     def open(self, data: bytes) -> bytes:
-        if len(data) < HEADER.size:
+        if len(data) < HEADER_BYTES:
             raise AuthError("message shorter than its envelope")
-        magic, direction, session, seq, mac = HEADER.unpack_from(data)
+        magic, direction, session, seq = HEAD.unpack_from(data)
         if magic != MAGIC or direction != self._direction:
             raise AuthError("not a kvferry control message for this side")
-        payload = data[HEADER.size :]
+        payload = data[HEADER_BYTES:]
         if self._key is None:
             return payload
-        if not hmac.compare_digest(mac, _mac(self._key, data[: HEADER.size - MAC_BYTES], payload)):
+        if not hmac.compare_digest(data[HEAD.size : HEADER_BYTES], _mac(self._key, data[: HEAD.size], payload)):
             raise AuthError("bad MAC (wrong or missing KVFERRY_SECRET)")
         if seq <= self._seen.get(session, 0):
             raise AuthError("replayed message")
@@ -103,9 +114,11 @@ def prompt_digest(token_ids: list[int], block_size: int, secret: bytes | None) -
     whole prefix up to b. Keyed with the secret when there is one (an observer of the control plane
     cannot test guesses of a short prompt). P compares D's with its own before writing any byte."""
     key = derive(secret, "prompt") if secret else b""
+    raw = np.asarray(token_ids, dtype="<u4").tobytes()
+    step = block_size * 4
     digest = b""
-    for start in range(0, len(token_ids), block_size):
-        block = struct.pack(f"<{min(block_size, len(token_ids) - start)}I", *token_ids[start : start + block_size])
+    for start in range(0, len(raw), step):
+        block = raw[start : start + step]
         if key:
             digest = hmac.new(key, digest + block, hashlib.sha256).digest()[:16]
         else:

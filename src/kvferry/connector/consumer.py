@@ -140,9 +140,10 @@ class Consumer:
             self._handle_failed_recv([pull], "transport", f"receiver error: {exc!r}")
 
     async def _lookup(self, spec: PullSpec) -> EngineInfo:
-        if not self._allow.allows(spec.bootstrap_addr.rpartition(":")[0]):
-            # The HTTP edge refuses these with 400; vLLM's requests reach us here. Never ask that host.
-            raise BootstrapError(f"bootstrap server {spec.bootstrap_addr[:100]} is not an allowed prefill host")
+        try:  # the HTTP edge refuses these with 400; vLLM's requests reach us here. Never ask that host.
+            self._allow.check(spec.bootstrap_addr)
+        except ValueError as exc:
+            raise BootstrapError(str(exc)) from None
         injected = self.config.faults.fault_for(spec.transfer_id) == "bootstrap"
         cached = self.bootstrap.cached(spec.bootstrap_addr, spec.engine_id)
         # A cached answer is trusted only while we are connected to its ranks: a P restarted at the

@@ -38,6 +38,7 @@ from kvferry.connector.metrics import Metrics
 from kvferry.connector.producer import Producer
 from kvferry.connector.pulls import ConsumerConfig, PullSpec
 from kvferry.transfer.base import TransferEngine
+from kvferry.transfer.wire import join_addr
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ class PDConnector(KVConnector):
             "do_remote_prefill": True,
             "transfer_id": transfer_id,
             "remote_engine_id": self.config.engine_id,
-            "remote_bootstrap_addr": _join(self.config.advertised_host, self.config.bootstrap_port),
+            "remote_bootstrap_addr": join_addr(self.config.advertised_host, self.config.bootstrap_port),
         }
 
     # ---- worker role ------------------------------------------------------------------------------
@@ -298,7 +299,7 @@ class PDConnector(KVConnector):
 
         port = self.config.data_port and self.config.data_port + rank
         return TcpTransferEngine(self.config.host, port, secret=self.config.secret or b"",
-                                 advertise=_join(self.config.advertised_host, port))
+                                 advertise=join_addr(self.config.advertised_host, port))
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, PDMetadata)
@@ -355,7 +356,3 @@ class PDConnector(KVConnector):
             self.consumer.close()
         for engine in self.transfer_engines:
             engine.close()
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -42,7 +42,7 @@ from kvferry.connector.messages import (
 )
 from kvferry.connector.transfers import NOT_READY_MSG, Write
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
-from kvferry.transfer.wire import canonical_addr
+from kvferry.transfer.wire import canonical_addr, join_addr
 
 if TYPE_CHECKING:
     from kvferry.connector.producer import Producer
@@ -73,11 +73,11 @@ class RankLoop(threading.Thread):
         # Up to this size every message gets its own answer (ERROR if over MAX_MESSAGE_BYTES).
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if port:
-            self.sock.bind(f"tcp://{_join(host, port)}")
+            self.sock.bind(f"tcp://{join_addr(host, port)}")
         else:
             port = self.sock.bind_to_random_port(f"tcp://[{host}]" if ":" in host else f"tcp://{host}")
-        self.bound = f"tcp://{_join(host, port)}"
-        self.address = f"tcp://{_join(advertise_host, port)}"  # what the bootstrap server hands to D
+        self.bound = f"tcp://{join_addr(host, port)}"
+        self.address = f"tcp://{join_addr(advertise_host, port)}"  # what the bootstrap server hands to D
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -222,9 +222,12 @@ class RankLoop(threading.Thread):
 
     def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> None:
         addr = _normal_addr(pull.d_transfer_addr)
-        error = self._invalid(pull) if addr is not None else f"bad d_transfer_addr {pull.d_transfer_addr[:100]!r}"
-        if error is not None or addr is None:
-            self.reply(identity, _response(pull, Status.ERROR, err_msg=error or "bad d_transfer_addr"))
+        if addr is None:
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=f"bad d_transfer_addr {pull.d_transfer_addr[:100]!r}"))
+            return
+        error = self._invalid(pull)
+        if error is not None:
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=error))
             return
         # One spelling per peer ("018610" and "18610" are one D): one send thread, one connection pool.
         pull = msgspec.structs.replace(pull, d_transfer_addr=addr)
@@ -346,10 +349,6 @@ class RankLoop(threading.Thread):
             if not self.p.table.write_wanted(w):
                 raise TransferError(TransferErrorCause.RESET, "write cancelled: D's lease ran out")
             time.sleep(min(left, 0.02))
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _normal_addr(addr: str) -> str | None:

@@ -33,7 +33,6 @@ What kvferry requires of vLLM's scheduler, and where it comes from:
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -56,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "`bash .ci/vllm-env.sh`, or `pip install 'kvferry[vllm]'`"
     ) from exc
 
-from kvferry.connector.auth import deployment_secret
+from kvferry.connector.auth import deployment_secret, is_loopback
 from kvferry.connector.base import ConnectorRole
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.faults import FaultSpec
@@ -139,7 +138,7 @@ class KVFerrySettings:
         if settings.host in ("0.0.0.0", "::") and not settings.advertise_host:
             raise ValueError(f"host {settings.host} binds every interface: set advertise_host to the address peers dial")
         PrefillAllowList(settings.prefill_allow)  # raises on a bad entry
-        if not settings.insecure and deployment_secret() is None and not _loopback(settings.host):
+        if not settings.insecure and deployment_secret() is None and not is_loopback(settings.host):
             raise ValueError(f"host {settings.host} is reachable from other machines and KVFERRY_SECRET is not set: "
                              "set it on every P and D (docs/security.md), or \"insecure\": true on an isolated network")
         if settings.insecure and deployment_secret() is None:
@@ -511,10 +510,3 @@ def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
 
 
 __all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerrySettings", "KVFerryWorkerMetadata"]
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"

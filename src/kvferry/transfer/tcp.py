@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvferry.transfer import tcp_plan
+from kvferry.transfer import tcp_plan, wire
 from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.grants import GrantTable
 from kvferry.transfer.regions import RegionTable
@@ -60,8 +60,7 @@ class TcpTransferEngine(TransferEngine):
     @property
     def bound_address(self) -> str:
         """Where the listener is bound (differs from `address` when `advertise` was given)."""
-        host = f"[{self._server.host}]" if ":" in self._server.host else self._server.host
-        return f"{host}:{self._server.port}"
+        return wire.join_addr(self._server.host, self._server.port)
 
     @property
     def stats(self) -> dict[str, int]:

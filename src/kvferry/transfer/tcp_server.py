@@ -46,7 +46,7 @@ class TcpServer:
         self._listener.bind((host, port))
         self._listener.listen(128)
         self.host, self.port = host, self._listener.getsockname()[1]
-        bound = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        bound = wire.join_addr(host, self.port)
         # The address peers dial; with a secret a handshake naming another one is refused. Port 0 in
         # `advertise` means the bound one (the kernel chose it).
         if advertise and advertise.endswith(":0"):

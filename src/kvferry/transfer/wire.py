@@ -98,6 +98,11 @@ class ProtocolError(Exception):
     """The peer sent bytes that do not follow this format."""
 
 
+def join_addr(host: str, port: int) -> str:
+    """`host:port`, an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def canonical_addr(addr: str) -> str:
     """`host:port` in one spelling (IP literals normalised, names lower-case); '' if it is not one."""
     host, sep, port = addr.rpartition(":")
@@ -108,7 +113,7 @@ def canonical_addr(addr: str) -> str:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return f"{host.lower()}:{int(port)}"
-    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
+    return join_addr(str(ip), int(port))
 
 
 def encode_reply(status: Status, code: Code, reason: str = "") -> bytes:
