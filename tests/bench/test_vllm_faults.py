@@ -1,0 +1,91 @@
+"""The pure part of `kvferry bench vllm --faults`: outcomes, the comparison, the table, counter deltas."""
+
+from __future__ import annotations
+
+from kvferry.bench.vllm import metric_sum, parse_prometheus
+from kvferry.bench.vllm_faults import (
+    FAILURE_COUNTERS,
+    FAULT_KEYS,
+    Cell,
+    compare,
+    counter_deltas,
+    outcome,
+    prompt,
+    summary,
+    table_rows,
+)
+
+
+def _cell(connector: str = "kvferry", http: int | None = 200, identical: bool | None = True,
+          answer_s: float | None = 1.0, freed: dict[str, float | str | None] | None = None, **kw: object) -> Cell:
+    return Cell(connector, kw.pop("policy", "fail"), kw.pop("fault", "clean"), http=http,  # type: ignore[arg-type]
+                identical=identical, answer_s=answer_s, freed_s=freed or {"P": 0.1, "D": 0.1}, **kw)  # type: ignore[arg-type]
+
+
+def test_outcomes() -> None:
+    assert outcome(_cell()) == "identical"
+    assert outcome(_cell(identical=False)) == "wrong"
+    assert outcome(_cell(http=500, identical=None)) == "error"
+    assert outcome(_cell(http=None, identical=None, error="RemoteProtocolError")) == "dropped"
+    assert outcome(_cell(http=None, identical=None, error="no answer", answer_s=None)) == "none"
+
+
+def test_a_wrong_text_loses_to_any_error_and_an_error_to_the_right_text() -> None:
+    wrong = _cell("nixl", identical=False, answer_s=0.1)
+    error = _cell("kvferry", http=500, identical=None, answer_s=5.0)
+    assert compare(error, wrong) == ("kvferry", "error vs wrong")
+    right = _cell("nixl", answer_s=9.0)
+    assert compare(error, right) == ("nixl", "identical vs error")
+    hung = _cell("nixl", http=None, identical=None, error="no answer", answer_s=None)
+    assert compare(error, hung)[0] == "kvferry"
+
+
+def test_same_outcome_sooner_answer_then_sooner_release() -> None:
+    fast, slow = _cell("kvferry", http=500, identical=None, answer_s=0.2), _cell("nixl", http=500, identical=None,
+                                                                               answer_s=5.1)
+    assert compare(fast, slow) == ("kvferry", "answer 0.20 s vs 5.10 s")
+    assert compare(_cell(answer_s=1.0), _cell("nixl", answer_s=1.3))[0] == "same"  # within the slack
+    held = _cell("nixl", freed={"P": 30.2, "D": 0.1})
+    assert compare(_cell(freed={"P": 1.9, "D": "killed"}), held) == ("kvferry", "blocks freed 1.9 s vs 30.2 s")
+    never = _cell("nixl", freed={"P": None, "D": 0.1})
+    assert compare(_cell(freed={"P": 40.0, "D": 0.1}), never) == ("kvferry", "blocks freed 40.0 s vs never")
+
+
+def test_summary_names_the_cause_and_the_time() -> None:
+    assert summary(_cell(http=500, identical=None, causes={"peer_dead": 1.0}, answer_s=0.43)) == "500 peer_dead 430 ms"
+    assert summary(_cell(http=500, identical=None, error="Internal server error", answer_s=5.1)) == \
+        "500 Internal server error 5.1 s"
+    assert summary(_cell(identical=False, answer_s=0.2)) == "200 WRONG TEXT 200 ms"
+    assert summary(_cell(answer_s=12.0)) == "200 = 12.0 s"
+
+
+def test_table_has_one_row_per_fault_and_policy_in_matrix_order() -> None:
+    cells = [_cell(c, fault=f, policy=p) for f in ("kill_d", "clean") for p in ("recompute", "fail")
+             for c in ("nixl", "kvferry")]
+    cells.append(_cell("kvferry", fault="corrupt"))  # no NIXL cell: shown, nobody ahead
+    rows = table_rows(cells)
+    assert [(r["policy"], r["ahead"]) for r in rows] == [("fail", "same"), ("recompute", "same"), ("fail", "-"),
+                                                         ("fail", "same"), ("recompute", "same")]
+    assert rows[0]["fault"].startswith("no fault") and rows[2]["NIXL"] == "-"
+    assert list(FAULT_KEYS).index("clean") < list(FAULT_KEYS).index("corrupt") < list(FAULT_KEYS).index("kill_d")
+
+
+def test_counter_deltas_by_cause_and_by_nixl_counter() -> None:
+    before = parse_prometheus(
+        'kvferry:kv_load_failures_total{engine="0",cause="peer_dead"} 1.0\n'
+        'kvferry:kv_load_failures_total{engine="0",cause="checksum"} 0.0\n'
+        'vllm:nixl_num_failed_transfers_total{engine="0"} 2.0\n'
+        'vllm:nixl_num_failed_transfers_created{engine="0"} 1.7e9\n')
+    after = parse_prometheus(
+        'kvferry:kv_load_failures_total{engine="0",cause="peer_dead"} 1.0\n'
+        'kvferry:kv_load_failures_total{engine="0",cause="checksum"} 1.0\n'
+        'vllm:nixl_num_failed_transfers_total{engine="0"} 3.0\n'
+        'vllm:nixl_num_failed_transfers_created{engine="0"} 1.8e9\n'
+        'vllm:num_requests_waiting{engine="0"} 4.0\n')
+    assert counter_deltas(before, after, FAILURE_COUNTERS) == {"checksum": 1.0, "nixl_num_failed_transfers_total": 1.0}
+    assert metric_sum(after, "vllm:num_requests_waiting") == 4.0
+
+
+def test_prompts_are_seeded_and_one_token_per_word() -> None:
+    assert prompt(3) == prompt(3) != prompt(4)
+    assert len(prompt(3, 900).split()) == 903
