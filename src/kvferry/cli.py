@@ -115,6 +115,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--poisson", type=float, default=None, metavar="RATE",
                    help="bench serve: Poisson arrivals at RATE requests/s (default: closed loop)")
     p.add_argument("--output-tokens", type=int, default=None, help="bench serve: tokens per answer (default 32)")
+    p.add_argument("--faults", action="store_true",
+                   help="bench vllm: the fault matrix (kvferry and NixlConnector, fail and recompute) instead of latency")
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -302,6 +304,11 @@ def bench(args: argparse.Namespace) -> int:
         if args.output_tokens:
             plan = replace(plan, output_tokens=args.output_tokens)
         serve_bench.run(args.json_path, plan=plan)
+        return 0
+    if args.which == "vllm":
+        from kvferry.bench import vllm as vllm_bench
+
+        vllm_bench.run(args.json_path, quick=args.quick, faults=args.faults)
         return 0
     module = importlib.import_module(f"kvferry.bench.{args.which}")
     module.run(args.json_path, quick=args.quick)
