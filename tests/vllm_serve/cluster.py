@@ -10,15 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-from servers import Server, kv_config, proxy_server, vllm_server
+from servers import VLLM_DEFAULTS, Server, kv_config, proxy_server, vllm_server
 
 from kvferry.connector.faults import FaultSpec
 from kvferry.harness.processes import free_port
 from procs import wait_until as _wait_until
 
 P_BLOCKS, D_BLOCKS = 16, 40  # different pool sizes on purpose (issue 12.1)
-ABORT_TIMEOUT_S = 6.0  # the restarted P of the fault tests: (b) fails within it
-CLEAN_ABORT_TIMEOUT_S = 20.0  # the clean P: a 2-core box under load can take seconds per step
+# How long P keeps blocks nobody pulled. At vLLM's defaults (a worker process that spin-waits after every
+# step, two spinning OpenMP threads per server) five servers on 2 cores stretched D's steps so far that
+# its pull came more than 20 s after P's answer (docs/vllm.md): the abort timeouts grow with them.
+ABORT_TIMEOUT_S = 15.0 if VLLM_DEFAULTS else 6.0  # the restarted P of the fault tests: (b) fails within it
+CLEAN_ABORT_TIMEOUT_S = 60.0 if VLLM_DEFAULTS else 20.0  # the clean P
+# How long D waits on a silent P at most, however slow P was before: P left heartbeats unanswered for
+# 8 s at vLLM's defaults on the loaded box; a killed P is still seen at once (its connection closes).
+HEARTBEAT_CEILING_S = 30.0 if VLLM_DEFAULTS else 10.0
 FAULTS = "p_not_ready=0.5,seed=11,slow=1500"  # the restarted P: some transfers never ready, every write slow
 
 
@@ -37,7 +43,8 @@ class Cluster:
     def _decode(self, name: str, policy: str, blocks: int) -> Server:
         return vllm_server(name, self.model, free_port(), "--num-gpu-blocks-override", str(blocks),
                            "--kv-transfer-config", kv_config("kv_consumer", policy, kv_load_deadline_s=30,
-                                                     heartbeat_interval_s=1.0, heartbeat_timeout_s=4.0))
+                                                     heartbeat_interval_s=1.0, heartbeat_timeout_s=4.0,
+                                                     heartbeat_ceiling_s=HEARTBEAT_CEILING_S))
 
     def _new_p(self, faults: str) -> Server:
         extra: dict[str, Any] = {"engine_id": "kvferry-ci-p", "bootstrap_port": self.bootstrap_port,

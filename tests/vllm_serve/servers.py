@@ -23,9 +23,9 @@ COMMON = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max
 BLOCK_SIZE = 128  # vLLM's CPU block size
 # KVFERRY_LANE_VLLM_DEFAULTS=1: the lane at vLLM's own defaults (its worker in a separate process, OpenMP
 # threads as vLLM sets them), what a user runs; otherwise the worker inside the engine core, one thread.
+VLLM_DEFAULTS = bool(os.environ.get("KVFERRY_LANE_VLLM_DEFAULTS"))
 LANE_ENV = {k: v for k, v in VLLM_CPU_ENV.items()
-            if not (os.environ.get("KVFERRY_LANE_VLLM_DEFAULTS") and k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                                          "OMP_NUM_THREADS"))}
+            if not (VLLM_DEFAULTS and k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS"))}
 START_TIMEOUT_S = 300.0  # 33-85 s alone; several servers starting at once on 2 loaded cores take longer
 
 
