@@ -48,7 +48,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="rank r's TCP data plane binds this + r (0: a port the kernel picks)")
     p.add_argument("--advertise-host", default=None,
                    help="the address peers are told to dial (default: --host; needed when --host is 0.0.0.0 or ::)")
-    p.add_argument("--transfer", choices=["tcp", "mooncake"], default="tcp", help="data-plane backend")
+    p.add_argument("--transfer", choices=["tcp", "mooncake", "nixl"], default="tcp",
+                   help="data-plane backend (nixl: pip install 'kvferry[nixl]'; loopback unless --insecure)")
     p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""),
                    help="fault injection, e.g. 'transport=0.1,corrupt=0.05,seed=1' (env KVFERRY_FAULTS)")
     p.add_argument("--abort-timeout", type=float, default=30.0,
@@ -81,6 +82,29 @@ def _check_exposure(args: argparse.Namespace) -> bool:
         return False
     print(f"kvferry serve: WARNING: --insecure: listening on {args.host} without KVFERRY_SECRET; control and data "
           "planes are unauthenticated", file=sys.stderr, flush=True)
+    return True
+
+
+def _check_nixl(args: argparse.Namespace) -> bool:
+    """NIXL/UCX authenticate nothing and a UCX peer can write anywhere in a process: loopback only,
+    unless --insecure (docs/security.md)."""
+    if args.transfer != "nixl" or args.role == "both":
+        return True
+    from kvferry.transfer import nixl_api
+
+    if not nixl_api.available():
+        print(f"kvferry serve: --transfer nixl: nixl is not installed ({nixl_api.INSTALL_HINT}): "
+              f"{nixl_api.IMPORT_ERROR}", file=sys.stderr)
+        return False
+    if is_loopback(args.host):
+        return True
+    if not args.insecure:
+        print(f"kvferry serve: --transfer nixl on --host {args.host}: UCX's listener accepts anyone who reaches it "
+              "and a UCX peer can write anywhere in this process, whatever the grants and KVFERRY_SECRET say. "
+              "Use --transfer tcp, or pass --insecure on a network where every host is trusted.", file=sys.stderr)
+        return False
+    print("kvferry serve: WARNING: --insecure --transfer nixl: UCX's data plane is open to every host that "
+          "reaches it (docs/security.md)", file=sys.stderr, flush=True)
     return True
 
 
@@ -183,7 +207,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvferry.serving.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not _check_exposure(args):
+    if not _check_exposure(args) or not _check_nixl(args):
         return 2
     if args.host in ("0.0.0.0", "::") and not args.advertise_host:
         print(f"kvferry serve: --host {args.host} binds every interface: say which address peers should dial "

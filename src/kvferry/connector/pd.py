@@ -295,9 +295,14 @@ class PDConnector(KVConnector):
             from kvferry.transfer.mooncake import MooncakeTransferEngine
 
             return MooncakeTransferEngine(self.config.host)
+        port = self.config.data_port and self.config.data_port + rank
+        if self.config.transfer == "nixl":
+            from kvferry.transfer.nixl import NixlTransferEngine
+
+            return NixlTransferEngine(self.config.host, port, secret=self.config.secret or b"",
+                                      advertise=join_addr(self.config.advertised_host, port))
         from kvferry.transfer.tcp import TcpTransferEngine
 
-        port = self.config.data_port and self.config.data_port + rank
         return TcpTransferEngine(self.config.host, port, secret=self.config.secret or b"",
                                  advertise=join_addr(self.config.advertised_host, port))
 

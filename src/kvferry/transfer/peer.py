@@ -1,6 +1,6 @@
 """A receiver in its own process, driven by JSON lines on stdin (used by the tests and the bench).
 
-    python -m kvferry.transfer.peer --size BYTES [--region dst]
+    python -m kvferry.transfer.peer --size BYTES [--region dst] [--transfer tcp|nixl]
 
 Prints `{"address": ..., "pid": ...}` once listening, then answers one JSON line per command:
 grant, written, close_grant, stats, fill, digest. Exits when stdin closes.
@@ -17,13 +17,16 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import xxhash
 
 from kvferry.transfer.base import ByteRange, TransferError
 from kvferry.transfer.tcp import TcpTransferEngine
+
+if TYPE_CHECKING:
+    from kvferry.transfer.nixl import NixlTransferEngine
 
 
 def _ranges(items: list[list[Any]]) -> list[ByteRange]:
@@ -34,7 +37,7 @@ def _dump(ranges: list[ByteRange]) -> list[list[Any]]:
     return [[r.region, r.offset, r.length] for r in ranges]
 
 
-def handle(engine: TcpTransferEngine, mem: np.ndarray, cmd: dict[str, Any]) -> dict[str, Any]:
+def handle(engine: TcpTransferEngine | NixlTransferEngine, mem: np.ndarray, cmd: dict[str, Any]) -> dict[str, Any]:
     op = cmd["cmd"]
     if op == "grant":
         return {"token": engine.open_grant(_ranges(cmd["ranges"]))}
@@ -59,9 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvferry.transfer.peer")
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--region", default="dst")
+    parser.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp")
     args = parser.parse_args(argv)
     mem = np.zeros(args.size, np.uint8)
-    engine = TcpTransferEngine()
+    engine: TcpTransferEngine | NixlTransferEngine
+    if args.transfer == "nixl":
+        from kvferry.transfer.nixl import NixlTransferEngine
+
+        engine = NixlTransferEngine()
+    else:
+        engine = TcpTransferEngine()
     try:
         engine.register(args.region, mem)
         print(json.dumps({"address": engine.address, "pid": os.getpid()}), flush=True)
@@ -81,10 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 class PeerProcess:
     """Parent-side handle: starts the peer, sends commands, and always stops it by pid."""
 
-    def __init__(self, size: int, region: str = "dst", env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, size: int, region: str = "dst", env: dict[str, str] | None = None, transfer: str = "tcp"
+    ) -> None:
         self.region = region
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.transfer.peer", "--size", str(size), "--region", region],
+            [sys.executable, "-m", "kvferry.transfer.peer", "--size", str(size), "--region", region,
+             "--transfer", transfer],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
