@@ -22,9 +22,13 @@ P_BLOCKS, D_BLOCKS = 16, 40  # different pool sizes on purpose (issue 12.1)
 # its pull came more than 20 s after P's answer (docs/vllm.md): the abort timeouts grow with them.
 ABORT_TIMEOUT_S = 15.0 if VLLM_DEFAULTS else 6.0  # the restarted P of the fault tests: (b) fails within it
 CLEAN_ABORT_TIMEOUT_S = 60.0 if VLLM_DEFAULTS else 20.0  # the clean P
-# How long D waits on a silent P at most, however slow P was before: P left heartbeats unanswered for
-# 8 s at vLLM's defaults on the loaded box; a killed P is still seen at once (its connection closes).
+# How long D waits on a silent P: at least the floor (what a P with no slow history gets), at most the
+# ceiling however slow P was before. At vLLM's defaults a freshly restarted P left heartbeats unanswered
+# for 4 s, a busy one for 8-14 s (load 17-38); a killed P is still seen at once (its connection closes).
+HEARTBEAT_FLOOR_S = 10.0 if VLLM_DEFAULTS else 4.0
 HEARTBEAT_CEILING_S = 30.0 if VLLM_DEFAULTS else 10.0
+# D's early rejection releases P's blocks (issue 18.6) through D's engine and worker and P's next step.
+RELEASE_S = 10.0 if VLLM_DEFAULTS else 1.5  # 4.1 s at vLLM's defaults at load 29-38; P's abort timeout is 60 s
 FAULTS = "p_not_ready=0.5,seed=11,slow=1500"  # the restarted P: some transfers never ready, every write slow
 
 
@@ -43,7 +47,7 @@ class Cluster:
     def _decode(self, name: str, policy: str, blocks: int) -> Server:
         return vllm_server(name, self.model, free_port(), "--num-gpu-blocks-override", str(blocks),
                            "--kv-transfer-config", kv_config("kv_consumer", policy, kv_load_deadline_s=30,
-                                                     heartbeat_interval_s=1.0, heartbeat_timeout_s=4.0,
+                                                     heartbeat_interval_s=1.0, heartbeat_timeout_s=HEARTBEAT_FLOOR_S,
                                                      heartbeat_ceiling_s=HEARTBEAT_CEILING_S))
 
     def _new_p(self, faults: str) -> Server:
@@ -147,5 +151,5 @@ def in_background(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return future
 
 
-__all__ = ["Cluster", "completion", "in_background", "prefill_on_p", "prompt_of", "streamed_text",
+__all__ = ["RELEASE_S", "Cluster", "completion", "in_background", "prefill_on_p", "prompt_of", "streamed_text",
            "tokens", "transfer_id_where", "wait_until"]
