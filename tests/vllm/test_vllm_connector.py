@@ -520,3 +520,20 @@ def test_no_secret_no_network_and_the_allow_list(monkeypatch: pytest.MonkeyPatch
     assert settings.pd_config("decode", 16).prefill_allow == ("10.1.2.0/24",)
     with pytest.raises(ValueError, match="prefill-allow"):
         KVFerrySettings.from_extra_config({"prefill_allow": ["not a host!"]}, "e")
+
+
+def test_transfer_nixl_follows_serves_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"transfer": "nixl" as `kvferry serve --transfer nixl`: a clear error without nixl, and loopback
+    unless "insecure" (docs/security.md), whatever the secret."""
+    from kvferry.integrations.vllm import KVFerrySettings
+    from kvferry.transfer import nixl_api
+
+    monkeypatch.setenv("KVFERRY_SECRET", "s3cret")
+    if not nixl_api.available():
+        with pytest.raises(ValueError, match="nixl is not installed"):
+            KVFerrySettings.from_extra_config({"transfer": "nixl"}, "e")
+        return
+    assert KVFerrySettings.from_extra_config({"transfer": "nixl"}, "e").pd_config("decode", 16).transfer == "nixl"
+    with pytest.raises(ValueError, match="UCX"):
+        KVFerrySettings.from_extra_config({"transfer": "nixl", "host": "10.1.2.3"}, "e")
+    assert KVFerrySettings.from_extra_config({"transfer": "nixl", "host": "10.1.2.3", "insecure": True}, "e").insecure

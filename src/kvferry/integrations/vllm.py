@@ -90,7 +90,7 @@ class KVFerrySettings:
     bootstrap_port: int = 8998
     abort_timeout_s: float = 30.0  # P frees blocks nobody pulled after this (lease)
     kv_load_deadline_s: float = 60.0  # D gives up on a pull after this (failure cause "deadline")
-    transfer: str = "tcp"  # "tcp" (built in) or "mooncake"
+    transfer: str = "tcp"  # "tcp" (built in), "mooncake" or "nixl" (loopback unless insecure)
     checksums: bool = True
     faults: str = ""  # fault injection spec (tests, chaos); default: env KVFERRY_FAULTS
     # D: heartbeat period (P's lease on a pulled transfer is 7 periods) and how long P may stay silent
@@ -147,8 +147,10 @@ class KVFerrySettings:
             raise ValueError(f"staging must be one of {sorted(cls.STAGING)}, not {settings.staging!r}")
         if settings.heartbeat_interval_s <= 0 or settings.heartbeat_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_timeout_s >= 0")
-        if settings.transfer not in ("tcp", "mooncake"):
-            raise ValueError(f"transfer must be 'tcp' or 'mooncake', not {settings.transfer!r}")
+        if settings.transfer not in ("tcp", "mooncake", "nixl"):
+            raise ValueError(f"transfer must be 'tcp', 'mooncake' or 'nixl', not {settings.transfer!r}")
+        if settings.transfer == "nixl":
+            _check_nixl(settings.host, settings.insecure)
         FaultSpec.parse(settings.faults)  # raises on a bad spec
         return settings
 
@@ -509,4 +511,16 @@ def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
         store.popitem(last=False)
 
 
+def _check_nixl(host: str, insecure: bool) -> None:
+    """As `kvferry serve --transfer nixl`: installed, and loopback unless insecure (docs/security.md)."""
+    from kvferry.transfer import nixl_api
+
+    if not nixl_api.available():
+        raise ValueError(f"transfer 'nixl': nixl is not installed ({nixl_api.INSTALL_HINT}): {nixl_api.IMPORT_ERROR}")
+    if not insecure and not is_loopback(host):
+        raise ValueError(f"transfer 'nixl' on host {host}: UCX's listener accepts anyone who reaches it and a UCX peer "
+                         "can write anywhere in the process; use 'tcp', or \"insecure\": true on a trusted network")
+
+
 __all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerrySettings", "KVFerryWorkerMetadata"]
+
