@@ -16,18 +16,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.base import KVConnector, NoOpConnector
+from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.engine.block_pool import BlockPool
 from kvferry.engine.loader import LoadedModel, load_model
-from kvferry.engine.model import ModelConfig, TinyLlama, sample
+from kvferry.engine.model import ModelConfig, SeqChunk, TinyLlama, sample
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkerResult
 from kvferry.engine.text import ByteCodec
 
 log = logging.getLogger(__name__)
 
-# While transfers are pending the engine polls its worker this often even with nothing to compute.
+# While transfers are pending the engine polls its worker this often even with nothing to compute; a
+# worker that wakes the engine for everything it reports (`KVConnector.set_waker`) is polled only as a
+# safety net, so waiting for KV costs no CPU that P's prefill on the same cores could use.
 _POLL_INTERVAL_S = 0.001
+_WOKEN_POLL_INTERVAL_S = 0.05
 # The engine thread publishes its state for /debug/state at most this often (and whenever idle).
 _PUBLISH_INTERVAL_S = 1.0
 
@@ -110,6 +114,8 @@ class Engine:
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        woken = self.worker_connector.set_waker(self._wakeup.set)
+        self._poll_interval_s = _WOKEN_POLL_INTERVAL_S if woken else _POLL_INTERVAL_S
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-core-{config.engine_id}", daemon=True)
         self.metrics.kv_blocks_total.set(config.num_blocks)
@@ -204,8 +210,10 @@ class Engine:
                     self._connector_step = False
                     self.step()
                     self._publish()
-                    if not s.has_unfinished:
-                        self._wakeup.wait(_POLL_INTERVAL_S)
+                    # A request that just finished has connector work for the next step (P: hand its
+                    # blocks to the producer for D's pull): no wait before it.
+                    if not (s.has_unfinished or s.has_finished_pending):
+                        self._wakeup.wait(self._poll_interval_s)
                         self._wakeup.clear()
                     continue
                 if not idle_checked:
@@ -281,20 +289,25 @@ class Engine:
         out = self.scheduler.schedule()
         self.worker_connector.start_load_kv(self.scheduler_connector.build_connector_meta(out))
         sampled: dict[str, int] = {}
-        for chunk in out.chunks:
-            request = chunk.request
-            end = chunk.start_pos + chunk.num_tokens
-            logits = self.model.forward(
-                self.kv_cache,
-                self.config.block_size,
-                request.token_ids(chunk.start_pos, end),
+        # One forward for every chunk of the step: each weight is read once for all decoding sequences,
+        # and each sequence gets the bits it would get alone (kvferry.engine.rows).
+        block_tables = self.scheduler.block_tables
+        seq_chunks = [
+            SeqChunk(
+                chunk.request.token_ids(chunk.start_pos, chunk.start_pos + chunk.num_tokens),
                 chunk.start_pos,
-                self.scheduler.block_tables[request.request_id],
-                request.num_prompt_tokens,
+                block_tables[chunk.request.request_id],
+                chunk.request.num_prompt_tokens,
+                want_logits=chunk.start_pos + chunk.num_tokens == chunk.request.num_tokens,
             )
-            if end == request.num_tokens:
-                params = request.sampling_params
-                sampled[request.request_id] = sample(logits, params.temperature, params.seed, request.num_tokens)
+            for chunk in out.chunks
+        ]
+        if seq_chunks:
+            all_logits = self.model.forward_batch(self.kv_cache, self.config.block_size, seq_chunks)
+            for chunk, logits in zip(out.chunks, all_logits, strict=True):
+                if logits is not None:
+                    request, params = chunk.request, chunk.request.sampling_params
+                    sampled[request.request_id] = sample(logits, params.temperature, params.seed, request.num_tokens)
         finished_sending, finished_recving = self.worker_connector.get_finished(out.finished_req_ids)
         if finished_sending:
             self.scheduler_connector.transfers_ended(finished_sending)
@@ -303,6 +316,7 @@ class Engine:
             finished_recving,
             self.worker_connector.get_block_ids_with_load_errors(),
             self.worker_connector.get_failure_causes(),
+            self._first_tokens(),
         )
         recomputed_before, unknown_before = self.scheduler.num_recomputed_tokens, self.scheduler.num_unknown_ids
         for request in self.scheduler.update(out, sampled, report):
@@ -313,6 +327,12 @@ class Engine:
             self._emit(request)
         self._update_gauges(recomputed_before, unknown_before)
         return out
+
+    def _first_tokens(self) -> dict[str, FirstToken]:
+        """P's first tokens for the loads that just landed, those in this model's vocabulary (for any
+        other, D computes the token itself)."""
+        vocab = self.model.config.vocab_size
+        return {r: t for r, t in self.worker_connector.get_first_tokens().items() if 0 <= t.token < vocab}
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -146,22 +146,20 @@ def from_checkpoint(ck: Checkpoint, name: str) -> LoadedModel:
         return t.pop(key)
 
     layers = []
-    for i in range(config.num_layers):
+    for i in range(config.num_layers):  # checkpoints store [out, in], as the model does
         p = f"model.layers.{i}."
-        qkv = np.concatenate([take(p + f"self_attn.{x}_proj.weight").T for x in "qkv"], axis=1)
-        gate_up = np.concatenate([take(p + f"mlp.{x}_proj.weight").T for x in ("gate", "up")], axis=1)
         layers.append(
             LayerWeights(
                 attn_norm=take(p + "input_layernorm.weight"),
-                qkv=np.ascontiguousarray(qkv),
-                o_proj=take(p + "self_attn.o_proj.weight").T,
+                qkv=np.concatenate([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                o_proj=np.ascontiguousarray(take(p + "self_attn.o_proj.weight")),
                 mlp_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=np.ascontiguousarray(gate_up),
-                down=take(p + "mlp.down_proj.weight").T,
+                gate_up=np.concatenate([take(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]),
+                down=np.ascontiguousarray(take(p + "mlp.down_proj.weight")),
             )
         )
     embed = take("model.embed_tokens.weight")
-    lm_head = t.pop("lm_head.weight", embed).T
+    lm_head = t.pop("lm_head.weight", embed)
     weights = LlamaWeights(embed, layers, take("model.norm.weight"), lm_head)
     codec = BPECodec(ck.tokenizer_json, ck.chat_template, int(c["eos_token_id"]), ck.bos_token)
     if codec.vocab_size > config.vocab_size:

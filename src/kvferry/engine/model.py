@@ -2,29 +2,31 @@
 
 KV cache layout: ONE float32 array `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size,
 head_dim]` (`KVCacheSpec`); position p of a sequence lives in block `block_table[p // block_size]`,
-slot `p % block_size`.
+slot `p % block_size`. Weights are stored `[out, in]` (C-contiguous), as checkpoints store them.
 
-Bit-identity by construction: a forward call is cut into block-aligned chunks, and every numpy
-operation that touches position p has operands whose shapes and strides depend only on p's block and
-on whether p is a prompt position or a generated one (`prompt_len`):
-  * norms run on a fixed `[block_size, hidden]` tile, position p at row `p % block_size`, unused rows
-    zero; linear layers run on that whole tile for prompt positions (one matrix product: prefill
-    speed) and row by row for generated positions (one vector-matrix product each: what decoding
-    costs in any engine), so a generated token never pays for a whole tile;
-  * the LM head runs on the last position's row alone (a vector-matrix product);
-  * attention for block b reads exactly `(b + 1) * block_size` keys/values, gathered into a per-thread
-    buffer of fixed capacity (so the operands also have the same strides whatever the call's length);
-    keys after the chunk's last position are zero and masked, so stale cache contents never matter.
+One call (`forward_batch`, one per engine step) runs chunks of any number of distinct sequences.
+Bit-identity by construction: every numpy operation that touches position p has operands whose
+shapes and strides depend only on p and on whether p is a prompt position or a generated one
+(`prompt_len`), never on the other positions or sequences of the call:
+  * prompt positions run on fixed `[block_size, hidden]` tiles, position p at row `p % block_size`,
+    unused rows zero: norms, a matrix product per linear layer (prefill speed), and attention of block
+    b over exactly `(b + 1) * block_size` keys/values gathered into a per-thread buffer of fixed
+    capacity; keys after the chunk's prompt positions are zero and masked, so stale cache contents and
+    later positions never matter;
+  * generated positions (decoded tokens, or recomputed ones) of ALL sequences of the call are rows of
+    one array (rows.py): row-wise norms and activations, one vector-matrix product per row and per
+    fixed weight panel (each weight read from memory once per step for all rows, and one row alone
+    costs what a lone decode always cost), attention over exactly p + 1 keys;
+  * the LM head runs on each sequence's last row alone, as a generated row does.
 So the K/V written and the logits are the same bits whether a prompt is run in one call, split at any
 position, continued from K/V copied in from elsewhere, decoded token by token, recomputed after a
-preemption, or interleaved with other sequences (one call per sequence). This holds for one CPU type,
-numpy/OpenBLAS build and BLAS thread count: OpenBLAS splits a matmul differently with a different
-OPENBLAS_NUM_THREADS.
+preemption, or batched with any other sequences at any place in the step (tests/engine/test_batched.py).
+This holds for one CPU type, numpy/OpenBLAS build and BLAS thread count: OpenBLAS splits a matmul
+differently with a different OPENBLAS_NUM_THREADS.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -34,9 +36,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvferry.connector.base import KVCacheSpec
+from kvferry.engine.model_math import FloatArray, RowWeight, rms_norm
+from kvferry.engine.rows import GeneratedRows, RowLayer, layer_step
+from kvferry.engine.tiles import PromptTiles, prompt_layer
 from kvferry.engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
-FloatArray = npt.NDArray[np.float32]
+__all__ = ["FloatArray", "LayerWeights", "LlamaWeights", "ModelConfig", "SeqChunk", "TinyLlama", "sample"]
 
 
 @dataclass(frozen=True)
@@ -61,22 +66,13 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class TileRows:
-    """A tile's live rows [lo, hi): prompt positions in [lo, split), generated ones in [split, hi)."""
-
-    lo: int
-    split: int
-    hi: int
-
-
-@dataclass(frozen=True)
-class LayerWeights:  # x @ W layout: [in, out]
+class LayerWeights:  # [out, in] layout (`y = W @ x`), C-contiguous
     attn_norm: FloatArray  # [hidden]
-    qkv: FloatArray  # [hidden, (heads + 2 * kv_heads) * head_dim]
-    o_proj: FloatArray  # [heads * head_dim, hidden]
+    qkv: FloatArray  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj: FloatArray  # [hidden, heads * head_dim]
     mlp_norm: FloatArray  # [hidden]
-    gate_up: FloatArray  # [hidden, 2 * ffn]
-    down: FloatArray  # [ffn, hidden]
+    gate_up: FloatArray  # [2 * ffn, hidden]
+    down: FloatArray  # [hidden, ffn]
 
 
 @dataclass(frozen=True)
@@ -84,7 +80,7 @@ class LlamaWeights:
     embed: FloatArray  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: FloatArray  # [hidden]
-    lm_head: FloatArray  # [hidden, vocab] (a transposed view of `embed` when tied)
+    lm_head: FloatArray  # [vocab, hidden] (`embed` itself when tied)
 
 
 def random_weights(cfg: ModelConfig) -> LlamaWeights:
@@ -93,7 +89,7 @@ def random_weights(cfg: ModelConfig) -> LlamaWeights:
 
     def linear(fan_in: int, fan_out: int) -> FloatArray:
         w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
-        return w * np.float32(1.0 / math.sqrt(fan_in))
+        return np.ascontiguousarray((w * np.float32(1.0 / math.sqrt(fan_in))).T)
 
     embed = rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
     q_width = cfg.num_heads * cfg.head_dim
@@ -112,22 +108,40 @@ def random_weights(cfg: ModelConfig) -> LlamaWeights:
     return LlamaWeights(embed, layers, np.ones(cfg.hidden_size, np.float32), linear(cfg.hidden_size, cfg.vocab_size))
 
 
+@dataclass(frozen=True)
+class SeqChunk:
+    """Positions [start_pos, start_pos + len(token_ids)) of one sequence (see `TinyLlama.forward`)."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    prompt_len: int | None = None
+    want_logits: bool = True
+
+
+@dataclass
+class _Seq:
+    chunk: SeqChunk
+    prompt: PromptTiles  # the call's prompt positions [chunk.start_pos, prompt.end)
+    end: int
+    rows: tuple[int, int] = (0, 0)  # its generated positions [prompt.end, end): rows [lo, hi) of GeneratedRows
+
+
 class TinyLlama:
     """A Llama forward over a paged KV cache: the tiny random model, or real weights (`weights=`)."""
 
     def __init__(self, config: ModelConfig | None = None, weights: LlamaWeights | None = None) -> None:
         self.config = cfg = config or ModelConfig()
         w = weights or random_weights(cfg)
-        self.embed, self.layers, self.final_norm, self.lm_head = w.embed, w.layers, w.final_norm, w.lm_head
-        # `[vocab, hidden]`, row-major: for tied weights that is `embed` itself (no copy), and a
-        # matrix-vector product over it reads memory in order (about twice as fast as `x @ lm_head`).
-        self._lm_head_rows = np.ascontiguousarray(self.lm_head.T)
+        self.embed, self.layers, self.final_norm = w.embed, w.layers, w.final_norm
+        self.row_layers = [RowLayer.of(layer) for layer in self.layers]
+        self.lm_head = RowWeight(w.lm_head)  # `[vocab, hidden]`: no copy when tied to `embed`
 
         inv_freq = cfg.rope_theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
         angles = np.outer(np.arange(cfg.max_position, dtype=np.float64), inv_freq)
         self._rope_cos = np.cos(angles).astype(np.float32)  # [max_position, head_dim / 2]
         self._rope_sin = np.sin(angles).astype(np.float32)
-        self._q_scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
+        self.q_scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
         self._scratch = threading.local()
 
     # ---- KV cache -------------------------------------------------------------------------------
@@ -158,100 +172,62 @@ class TinyLlama:
         Positions from `prompt_len` on are generated tokens (None: all are prompt positions); every
         caller must say the same for a sequence, since the two kinds are computed differently.
         """
-        cfg = self.config
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        end_pos = start_pos + len(tokens)
-        first_block, last_block = start_pos // block_size, (end_pos - 1) // block_size
-        table = np.asarray(block_table[: last_block + 1], dtype=np.int64)
-        self._validate(kv_cache, block_size, tokens, start_pos, end_pos, table)
-
-        num_tiles = last_block - first_block + 1
-        tiles = np.zeros((num_tiles, block_size, cfg.hidden_size), dtype=np.float32)
-        rows = np.arange(start_pos, end_pos) - first_block * block_size
-        tiles.reshape(-1, cfg.hidden_size)[rows] = self.embed[tokens]
-
-        generated_from = end_pos if prompt_len is None else max(prompt_len, 0)
-        live_rows = [self._tile_rows(first_block + i, start_pos, end_pos, generated_from, block_size)
-                   for i in range(num_tiles)]
-        kv = self._scratch_kv(block_size)
-        prefix_len = (last_block + 1) * block_size
-        for layer_index, weights in enumerate(self.layers):
-            # Whole blocks are loaded; their slots from start_pos on are overwritten or zeroed below.
-            self._load_cached_kv(kv, kv_cache[table[: -(-start_pos // block_size)], layer_index])
-            kv[:, :, end_pos:prefix_len] = 0.0
-            for tile_index, live in enumerate(live_rows):
-                block = first_block + tile_index
-                x = tiles[tile_index]
-                x += self._attention(x, weights, kv, block, live, block_size)
-                new_positions = slice(block * block_size + live.lo, block * block_size + live.hi)
-                kv_cache[table[block], layer_index, :, :, live.lo : live.hi] = kv[:, :, new_positions]
-                x += self._mlp(x, weights, live)
-
-        last_row = _rms_norm(tiles[-1], self.final_norm, cfg.rms_eps)[(end_pos - 1) % block_size]
-        logits: FloatArray = self._lm_head_rows @ last_row
+        logits = self.forward_batch(kv_cache, block_size, [SeqChunk(token_ids, start_pos, block_table, prompt_len)])[0]
+        assert logits is not None
         return logits
 
-    @staticmethod
-    def _tile_rows(block: int, start_pos: int, end_pos: int, generated_from: int, block_size: int) -> TileRows:
-        base = block * block_size
-        lo, hi = max(start_pos, base) - base, min(end_pos, base + block_size) - base
-        split = min(max(generated_from - base, lo), hi)
-        return TileRows(lo=lo, split=split, hi=hi)
+    def forward_batch(self, kv_cache: FloatArray, block_size: int, chunks: Sequence[SeqChunk]) -> list[FloatArray | None]:
+        """`forward` for chunks of distinct sequences in one call (an engine step); each one's last-position
+        logits (None where `want_logits` is False). Each sequence gets the bits it would get alone."""
+        seqs = [self._prepare(kv_cache, block_size, chunk) for chunk in chunks]
+        rows = self._generated_rows(seqs, block_size)
+        for layer_index in range(len(self.layers)):
+            for seq in seqs:
+                if seq.prompt.live:
+                    prompt_layer(self, kv_cache, block_size, layer_index, seq.prompt)
+            if len(rows.hidden):
+                layer_step(self, kv_cache, block_size, layer_index, rows)
 
-    @staticmethod
-    def _linear(x: FloatArray, weight: FloatArray, rows: TileRows) -> FloatArray:
-        """`x @ weight` for the tile's live rows: the whole tile if a prompt row is live, then each
-        generated row as its own vector-matrix product (a batch of them is still one product each)."""
-        if rows.lo < rows.split:
-            out: FloatArray = x @ weight
-        else:
-            out = np.zeros((x.shape[0], weight.shape[1]), dtype=np.float32)
-        if rows.split < rows.hi:
-            out[rows.split : rows.hi] = (x[rows.split : rows.hi, None, :] @ weight)[:, 0]
-        return out
+        last = [rows.hidden[s.rows[1] - 1] if s.end > s.prompt.end else s.prompt.last_row(block_size)
+                for s in seqs if s.chunk.want_logits]
+        if not last:
+            return [None] * len(seqs)
+        logits = iter(self.lm_head.apply(rms_norm(np.stack(last), self.final_norm, self.config.rms_eps)))
+        return [next(logits) if s.chunk.want_logits else None for s in seqs]
 
-    def _attention(
-        self, x: FloatArray, w: LayerWeights, kv: FloatArray, block: int, rows: TileRows, block_size: int
-    ) -> FloatArray:
-        """Attention output for the tile of `block`; also fills its live rows in `kv`."""
-        cfg = self.config
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        group = heads // kv_heads
-        qkv = self._linear(_rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv, rows)
-        q = qkv[:, : heads * head_dim].reshape(block_size, heads, head_dim)
-        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(block_size, kv_heads, head_dim)
-        v = qkv[:, (heads + kv_heads) * head_dim :].reshape(block_size, kv_heads, head_dim)
-        positions = slice(block * block_size, (block + 1) * block_size)
-        cos, sin = self._rope_cos[positions, None, :], self._rope_sin[positions, None, :]
-        q = _rope(q, cos, sin) * self._q_scale
-        lo, hi = rows.lo, rows.hi
-        new = slice(block * block_size + lo, block * block_size + hi)
-        kv[0, :, new] = _rope(k, cos, sin)[lo:hi].transpose(1, 0, 2)
-        kv[1, :, new] = v[lo:hi].transpose(1, 0, 2)
+    def _prepare(self, kv_cache: FloatArray, block_size: int, chunk: SeqChunk) -> _Seq:
+        tokens = np.asarray(chunk.token_ids, dtype=np.int64)
+        start, end = chunk.start_pos, chunk.start_pos + len(tokens)
+        table = np.asarray(chunk.block_table[: (end - 1) // block_size + 1 if len(tokens) else 1], dtype=np.int64)
+        self._validate(kv_cache, block_size, tokens, start, end, table)
+        prompt_end = end if chunk.prompt_len is None else min(max(chunk.prompt_len, start), end)
+        return _Seq(chunk, PromptTiles.of(self, tokens[: prompt_end - start], start, table, block_size), end)
 
-        num_keys = (block + 1) * block_size
-        keys_t = kv[0, :, :num_keys].transpose(0, 2, 1)  # [kv_heads, head_dim, num_keys]
-        values = kv[1, :, :num_keys]  # [kv_heads, num_keys, head_dim]
-        # Row (g, r) of kv head h is query head h * group + g at position block * block_size + r.
-        q_grouped = q.reshape(block_size, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-        scores = q_grouped.reshape(kv_heads, group * block_size, head_dim) @ keys_t
-        own_block = scores.reshape(kv_heads, group, block_size, num_keys)[..., num_keys - block_size :]
-        np.copyto(own_block, -np.inf, where=_future_mask(block_size))
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        denominators = scores.sum(axis=-1, keepdims=True)
-        out = (scores @ values) / denominators  # [kv_heads, group * block_size, head_dim]
-        out = out.reshape(kv_heads, group, block_size, head_dim).transpose(2, 0, 1, 3)
-        return self._linear(np.ascontiguousarray(out).reshape(block_size, heads * head_dim), w.o_proj, rows)
+    def _generated_rows(self, seqs: list[_Seq], block_size: int) -> GeneratedRows:
+        """The generated positions of all sequences, sequence after sequence."""
+        positions: list[npt.NDArray[np.int64]] = []
+        blocks: list[npt.NDArray[np.int64]] = []
+        tokens: list[int] = []
+        spans: list[tuple[int, int, npt.NDArray[np.int64]]] = []
+        count = 0
+        for seq in seqs:
+            first = seq.prompt.end
+            if seq.end > first:
+                positions.append(np.arange(first, seq.end, dtype=np.int64))
+                blocks.append(seq.prompt.table[positions[-1] // block_size])
+                tokens.extend(seq.chunk.token_ids[first - seq.chunk.start_pos :])
+                seq.rows = (count, count + seq.end - first)
+                spans.append((*seq.rows, seq.prompt.table))
+                count = seq.rows[1]
+        pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+        hidden = np.ascontiguousarray(self.embed[np.asarray(tokens, dtype=np.int64)])
+        return GeneratedRows(hidden, pos, np.concatenate(blocks) if blocks else pos, pos % block_size, spans)
 
-    def _mlp(self, x: FloatArray, w: LayerWeights, rows: TileRows) -> FloatArray:
-        cfg = self.config
-        gate_up = self._linear(_rms_norm(x, w.mlp_norm, cfg.rms_eps), w.gate_up, rows)
-        gate, up = gate_up[:, : cfg.ffn_size], gate_up[:, cfg.ffn_size :]
-        silu = gate / (np.float32(1.0) + np.exp(-gate))
-        return self._linear(np.ascontiguousarray(silu * up), w.down, rows)
+    def rope_at(self, positions: npt.NDArray[np.int64]) -> tuple[FloatArray, FloatArray]:
+        """RoPE `cos`, `sin` of each position, `[rows, 1, head_dim / 2]`."""
+        return self._rope_cos[positions, None, :], self._rope_sin[positions, None, :]
 
-    def _scratch_kv(self, block_size: int) -> FloatArray:
+    def scratch_kv(self, block_size: int) -> FloatArray:
         """This thread's `[2, kv_heads, capacity, head_dim]` K/V of the sequence being run.
 
         Its capacity is fixed, so the K/V operands of a position always have the same shape and strides.
@@ -264,7 +240,7 @@ class TinyLlama:
         return buffers[block_size]
 
     @staticmethod
-    def _load_cached_kv(kv: FloatArray, cached_blocks: FloatArray) -> None:
+    def load_cached_kv(kv: FloatArray, cached_blocks: FloatArray) -> None:
         """Copy cache blocks `[n, 2, kv_heads, block_size, head_dim]` into the first n blocks of `kv`."""
         num_blocks, _, kv_heads, block_size, head_dim = cached_blocks.shape
         by_block = kv.reshape(2, kv_heads, -1, block_size, head_dim)
@@ -337,25 +313,3 @@ def sample(logits: FloatArray, temperature: float, seed: int | None, position: i
     rng = np.random.default_rng(None if seed is None else (seed, position))
     index = int(np.searchsorted(cumulative, rng.random(), side="right"))
     return min(index, len(cumulative) - 1)
-
-
-def _rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
-    mean_square = np.mean(x * x, axis=-1, keepdims=True)
-    normed: FloatArray = (x / np.sqrt(mean_square + np.float32(eps))) * weight
-    return normed
-
-
-def _rope(x: FloatArray, cos: FloatArray, sin: FloatArray) -> FloatArray:
-    """Rotate-half RoPE on `[rows, heads, head_dim]` with `cos`/`sin` of shape `[rows, 1, head_dim / 2]`."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = np.empty_like(x)
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:] = x2 * cos + x1 * sin
-    return out
-
-
-@functools.cache
-def _future_mask(block_size: int) -> npt.NDArray[np.bool_]:
-    """[row, key] within one block: True where the key's position is after the row's."""
-    return np.triu(np.ones((block_size, block_size), dtype=np.bool_), k=1)

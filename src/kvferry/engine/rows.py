@@ -1,0 +1,88 @@
+"""Generated positions of every sequence of a forward call, computed together, each row on its own.
+
+A generated position (a decoded token, or one recomputed after a preemption) is a row of one
+`[m, hidden]` array holding the generated rows of ALL sequences of the call (an engine step). Per layer:
+  * norms, RoPE, SwiGLU and residual adds run on that array; each is elementwise or reduces along a
+    row, so a row's bits depend on that row only (tests/engine/test_batched.py checks it for every m);
+  * each linear layer is `RowWeight.apply`: one BLAS vector-matrix product per row and per fixed panel
+    of the weight, panels outermost: a panel is fetched from memory once for all m rows and then read
+    from cache, and a row's product is the same call whatever the other rows are. There is never a
+    matrix-matrix product here: OpenBLAS packs the weight for one (2-3x a vector-matrix product at small
+    m on SmolLM2), and its rows' bits depend on the product's height;
+  * attention of the row at position p reads exactly p + 1 keys/values of its own sequence from a
+    per-thread buffer of fixed capacity (shapes and strides depend on p only).
+So a sequence gets the same bits alone, among any others, at any place in the step, decoded token by
+token or recomputed in one call, and one sequence alone costs what it did before batching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvferry.engine.model_math import FloatArray, RowWeight, rms_norm, rope, swiglu
+
+if TYPE_CHECKING:
+    from kvferry.engine.model import LayerWeights, TinyLlama
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class RowLayer:
+    """One layer's linear weights, ready for `RowWeight.apply`."""
+
+    qkv: RowWeight
+    o_proj: RowWeight
+    gate_up: RowWeight
+    down: RowWeight
+
+    @classmethod
+    def of(cls, w: LayerWeights) -> RowLayer:
+        return cls(RowWeight(w.qkv), RowWeight(w.o_proj), RowWeight(w.gate_up), RowWeight(w.down))
+
+
+@dataclass
+class GeneratedRows:
+    """The generated rows of a call, sequence after sequence, positions ascending within one."""
+
+    hidden: FloatArray  # [m, hidden]
+    positions: IntArray  # [m]
+    blocks: IntArray  # [m] cache block of each row
+    slots: IntArray  # [m] slot within it
+    spans: list[tuple[int, int, IntArray]]  # per sequence: its rows [lo, hi) and block table
+
+
+def layer_step(
+    model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, rows: GeneratedRows
+) -> None:
+    """Run one layer on every generated row (in place); writes their K/V into the cache."""
+    cfg, w, lin = model.config, model.layers[layer_index], model.row_layers[layer_index]
+    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x, m = rows.hidden, len(rows.hidden)
+    qkv = lin.qkv.apply(rms_norm(x, w.attn_norm, cfg.rms_eps))
+    cos, sin = model.rope_at(rows.positions)
+    q = rope(qkv[:, : heads * head_dim].reshape(m, heads, head_dim), cos, sin) * model.q_scale
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(m, kv_heads, head_dim)
+    kv_cache[rows.blocks, layer_index, 0, :, rows.slots] = rope(k, cos, sin)
+    kv_cache[rows.blocks, layer_index, 1, :, rows.slots] = qkv[:, (heads + kv_heads) * head_dim :].reshape(
+        m, kv_heads, head_dim
+    )
+
+    attended = np.empty((m, heads * head_dim), dtype=np.float32)
+    grouped = q.reshape(m, kv_heads, heads // kv_heads, head_dim)  # query head h is kv head h // group
+    kv = model.scratch_kv(block_size)
+    for lo, hi, table in rows.spans:
+        last = int(rows.positions[hi - 1])
+        model.load_cached_kv(kv, kv_cache[table[: last // block_size + 1], layer_index])
+        for i in range(lo, hi):
+            n = int(rows.positions[i]) + 1
+            scores = grouped[i] @ kv[0, :, :n].transpose(0, 2, 1)  # [kv_heads, group, n]
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            attended[i] = ((scores @ kv[1, :, :n]) / scores.sum(axis=-1, keepdims=True)).reshape(-1)
+    x += lin.o_proj.apply(attended)
+    x += lin.down.apply(swiglu(lin.gate_up.apply(rms_norm(x, w.mlp_norm, cfg.rms_eps)), cfg.ffn_size))

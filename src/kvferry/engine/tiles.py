@@ -1,0 +1,109 @@
+"""Prompt positions of one sequence of a forward call, on fixed `[block_size, hidden]` tiles.
+
+Position p sits at row `p % block_size` of the tile of its block, unused rows zero. Norms and
+activations run on the whole tile, each linear layer is one `[block_size, in]` x `[in, out]` matrix
+product (prefill speed; a row's bits do not depend on the other rows of a fixed-shape product), and
+attention of block b reads exactly `(b + 1) * block_size` keys/values from a per-thread buffer of fixed
+capacity, with keys after the call's last prompt position zeroed and masked: stale cache contents and
+the generated positions after a prompt never change a prompt position's bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvferry.engine.model_math import FloatArray, TileRows, future_mask, rms_norm, rope, swiglu
+
+if TYPE_CHECKING:
+    from kvferry.engine.model import LayerWeights, TinyLlama
+
+
+@dataclass
+class PromptTiles:
+    """Prompt positions [start, end) of one sequence: the tiles of the blocks that hold them."""
+
+    start: int
+    end: int
+    table: npt.NDArray[np.int64]
+    tiles: FloatArray  # [num_tiles, block_size, hidden]
+    live: list[TileRows]
+
+    @classmethod
+    def of(cls, model: TinyLlama, tokens: npt.NDArray[np.int64], start: int, table: npt.NDArray[np.int64],
+           block_size: int) -> PromptTiles:
+        end, hidden = start + len(tokens), model.config.hidden_size
+        if not len(tokens):
+            return cls(start, end, table, np.zeros((0, block_size, hidden), np.float32), [])
+        first_block, last_block = start // block_size, (end - 1) // block_size
+        tiles = np.zeros((last_block - first_block + 1, block_size, hidden), dtype=np.float32)
+        tiles.reshape(-1, hidden)[np.arange(start, end) - first_block * block_size] = model.embed[tokens]
+        live = []
+        for block in range(first_block, last_block + 1):
+            base = block * block_size
+            lo, hi = max(start, base) - base, min(end, base + block_size) - base
+            live.append(TileRows(lo=lo, split=hi, hi=hi))
+        return cls(start, end, table, tiles, live)
+
+    def last_row(self, block_size: int) -> FloatArray:
+        row: FloatArray = self.tiles[-1][(self.end - 1) % block_size]
+        return row
+
+
+def prompt_layer(model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, seq: PromptTiles) -> None:
+    """One layer on a sequence's prompt tiles (in place); writes their K/V into the cache."""
+    weights, first_block = model.layers[layer_index], seq.start // block_size
+    kv = model.scratch_kv(block_size)
+    # Whole blocks are loaded; their slots from start on are overwritten or zeroed below.
+    model.load_cached_kv(kv, kv_cache[seq.table[: -(-seq.start // block_size)], layer_index])
+    kv[:, :, seq.end : (first_block + len(seq.live)) * block_size] = 0.0
+    for tile_index, live in enumerate(seq.live):
+        block = first_block + tile_index
+        x = seq.tiles[tile_index]
+        x += _attention(model, x, weights, kv, block, live, block_size)
+        new_positions = slice(block * block_size + live.lo, block * block_size + live.hi)
+        kv_cache[seq.table[block], layer_index, :, :, live.lo : live.hi] = kv[:, :, new_positions]
+        gate_up = _tile_linear(rms_norm(x, weights.mlp_norm, model.config.rms_eps), weights.gate_up)
+        x += _tile_linear(swiglu(gate_up, model.config.ffn_size), weights.down)
+
+
+def _tile_linear(x: FloatArray, weight: FloatArray) -> FloatArray:
+    """`x @ weight.T` for a whole `[block_size, in]` tile: one matrix product of a fixed shape."""
+    return np.ascontiguousarray((weight @ x.T).T)
+
+
+def _attention(
+    model: TinyLlama, x: FloatArray, w: LayerWeights, kv: FloatArray, block: int, rows: TileRows, block_size: int
+) -> FloatArray:
+    """Attention output for the tile of `block`; also fills its live rows in `kv`."""
+    cfg = model.config
+    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    group = heads // kv_heads
+    qkv = _tile_linear(rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv)
+    q = qkv[:, : heads * head_dim].reshape(block_size, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(block_size, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].reshape(block_size, kv_heads, head_dim)
+    cos, sin = model.rope_at(np.arange(block * block_size, (block + 1) * block_size))
+    q = rope(q, cos, sin) * model.q_scale
+    lo, hi = rows.lo, rows.hi
+    new = slice(block * block_size + lo, block * block_size + hi)
+    kv[0, :, new] = rope(k, cos, sin)[lo:hi].transpose(1, 0, 2)
+    kv[1, :, new] = v[lo:hi].transpose(1, 0, 2)
+
+    num_keys = (block + 1) * block_size
+    keys_t = kv[0, :, :num_keys].transpose(0, 2, 1)  # [kv_heads, head_dim, num_keys]
+    values = kv[1, :, :num_keys]  # [kv_heads, num_keys, head_dim]
+    # Row (g, r) of kv head h is query head h * group + g at position block * block_size + r.
+    q_grouped = q.reshape(block_size, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    scores = q_grouped.reshape(kv_heads, group * block_size, head_dim) @ keys_t
+    own_block = scores.reshape(kv_heads, group, block_size, num_keys)[..., num_keys - block_size :]
+    np.copyto(own_block, -np.inf, where=future_mask(block_size))
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    denominators = scores.sum(axis=-1, keepdims=True)
+    out = (scores @ values) / denominators  # [kv_heads, group * block_size, head_dim]
+    out = out.reshape(kv_heads, group, block_size, head_dim).transpose(2, 0, 1, 3)
+    return _tile_linear(np.ascontiguousarray(out).reshape(block_size, heads * head_dim), w.o_proj)
