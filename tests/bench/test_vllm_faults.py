@@ -45,6 +45,9 @@ def test_same_outcome_sooner_answer_then_sooner_release() -> None:
                                                                                answer_s=5.1)
     assert compare(fast, slow) == ("kvferry", "answer 0.20 s vs 5.10 s")
     assert compare(_cell(answer_s=1.0), _cell("nixl", answer_s=1.3))[0] == "same"  # within the slack
+    assert compare(_cell(answer_s=10.0), _cell("nixl", answer_s=12.0))[0] == "same"  # within a quarter
+    dropped = {"http": None, "identical": None, "error": "RemoteProtocolError"}
+    assert compare(_cell(answer_s=0.4, **dropped), _cell("nixl", answer_s=1.0, **dropped))[0] == "same"
     held = _cell("nixl", freed={"P": 30.2, "D": 0.1})
     assert compare(_cell(freed={"P": 1.9, "D": "killed"}), held) == ("kvferry", "blocks freed 1.9 s vs 30.2 s")
     never = _cell("nixl", freed={"P": None, "D": 0.1})
@@ -82,7 +85,7 @@ def test_counter_deltas_by_cause_and_by_nixl_counter() -> None:
         'vllm:nixl_num_failed_transfers_total{engine="0"} 3.0\n'
         'vllm:nixl_num_failed_transfers_created{engine="0"} 1.8e9\n'
         'vllm:num_requests_waiting{engine="0"} 4.0\n')
-    assert counter_deltas(before, after, FAILURE_COUNTERS) == {"checksum": 1.0, "nixl_num_failed_transfers_total": 1.0}
+    assert counter_deltas(before, after, FAILURE_COUNTERS) == {"checksum": 1.0, "nixl failed_transfers": 1.0}
     assert metric_sum(after, "vllm:num_requests_waiting") == 4.0
 
 

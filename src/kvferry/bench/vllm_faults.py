@@ -74,8 +74,8 @@ LATE_D_S = 10.0  # lease_out: D's request this long after P's answer
 class Caps:
     """Every wait of the matrix is bounded by one of these (seconds)."""
 
-    answer: float = 60.0  # a client's request to D
-    freed: float = 45.0  # P or D back to 0 KV blocks after the fault (NIXL's default lease is 30 s)
+    answer: float = 120.0  # a client's request to D (NIXL over TCP resumed 26-35 s after a 10 s stall)
+    freed: float = 150.0  # P or D back to 0 KV blocks after the fault or D's request (NIXL's lease: 30 s)
     reading: float = 60.0  # both D's waiting for remote KV
     start: float = 400.0  # a vllm serve to be healthy (2 loaded cores)
 
@@ -127,20 +127,26 @@ def _freed_worst(cell: Cell) -> float:
     return worst
 
 
+def _apart(a: float, b: float, slack_s: float) -> bool:
+    """Differ by more than the slack and by more than a quarter of the larger (a loaded box's noise)."""
+    return abs(a - b) > max(slack_s, 0.25 * max(a, b))
+
+
 def compare(ours: Cell, peer: Cell, slack_s: float = 0.5) -> tuple[str, str]:
     """Which connector did better in one cell, and why: the better outcome (identical > error >
-    dropped > no answer > wrong text); then, for the same outcome, the sooner answer (by more than
-    `slack_s`); then the sooner release of P's and D's KV blocks. Returns (winner, reason) with winner
-    `kvferry`, `nixl` or `same`."""
+    dropped > no answer > wrong text); then, for the same outcome, the sooner answer (clearly apart,
+    `_apart`; not for a dropped connection, whose time is the kill's); then the sooner release of P's
+    and D's KV blocks. Returns (winner, reason) with winner `kvferry`, `nixl` or `same`."""
     a, b = outcome(ours), outcome(peer)
     if a != b:
         winner = ours if OUTCOME_RANK[a] > OUTCOME_RANK[b] else peer
         return winner.connector, f"{outcome(winner)} vs {b if winner is ours else a}"
-    if ours.answer_s is not None and peer.answer_s is not None and abs(ours.answer_s - peer.answer_s) > slack_s:
+    if (a != "dropped" and ours.answer_s is not None and peer.answer_s is not None
+            and _apart(ours.answer_s, peer.answer_s, slack_s)):
         winner = ours if ours.answer_s < peer.answer_s else peer
         return winner.connector, f"answer {ours.answer_s:.2f} s vs {peer.answer_s:.2f} s"
     fa, fb = _freed_worst(ours), _freed_worst(peer)
-    if abs(fa - fb) > slack_s:
+    if fa != fb and (float("inf") in (fa, fb) or _apart(fa, fb, slack_s)):
         winner = ours if fa < fb else peer
         return winner.connector, f"blocks freed {_fmt_s(fa)} vs {_fmt_s(fb)}"
     return "same", ""
@@ -195,6 +201,10 @@ def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
             else:
                 row["ahead"] = "-"
             rows.append(row)
+    idle = {c.connector: c.note for c in cells if c.fault == "idle"}
+    if idle:
+        rows.append({"fault": "idle P and 2 D's: cores used (5 s)", "policy": "-", "kvferry": idle.get("kvferry", "-"),
+                     "NIXL": idle.get("nixl", "-")})
     return rows
 
 
@@ -208,7 +218,8 @@ def counter_deltas(before: dict[str, float], after: dict[str, float], names: tup
             continue
         delta = value - before.get(key, 0.0)
         if delta > 0:
-            label = key.split('cause="', 1)[1].split('"', 1)[0] if 'cause="' in key else base.split(":", 1)[-1]
+            label = (key.split('cause="', 1)[1].split('"', 1)[0] if 'cause="' in key
+                     else "nixl " + base.split(":", 1)[-1].removeprefix("nixl_num_").removesuffix("_total"))
             out[label] = out.get(label, 0.0) + delta
     return out
 
@@ -297,6 +308,25 @@ class _Pair:
                 server.stop()
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) of every live process in a process group, from /proc."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ... utime(11) stime(12)
+                    total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(servers: list[Any], seconds: float = 5.0) -> float:
+    """Cores the servers use together while nobody sends them anything (busy polling shows here)."""
+    before = sum(group_cpu_seconds(s.popen.pid) for s in servers)
+    time.sleep(seconds)
+    return (sum(group_cpu_seconds(s.popen.pid) for s in servers) - before) / seconds
+
+
 def _wait_healthy(servers: list[Any], timeout: float) -> None:
     for server in servers:
         server.wait_healthy(timeout)
@@ -365,15 +395,16 @@ class _Link:
             self.p.exec("iptables", "-D", "OUTPUT", "-d", self.d_ip, "-j", "DROP")
 
     def corrupt_next(self) -> None:
-        """nftables rewrites 4 bytes (0xdeadbeef, a float32 of -6e18) 10,000 bytes into the payload of
-        the next TCP packet over 20,000 bytes that P sends D: one bulk KV packet (the segments are
-        still GSO-sized at the output hook), once, with TCP's checksum fixed, so neither TCP nor the
-        NIC notices — what a flipped bit in a switch's or a host's memory looks like to the receiver."""
+        """nftables rewrites 4 bytes (0xdeadbeef, a float32 of -6e18) 2,000 bytes into the payload of
+        the next TCP packet over 4,000 bytes that P sends D: one bulk KV packet (UCX's TCP transport
+        sends 8 KiB segments, kvferry's up to GSO size; control messages are smaller), once, with
+        TCP's checksum fixed, so neither TCP nor the NIC notices — what a flipped bit in a switch's or
+        a host's memory looks like to the receiver."""
         self.p.exec("nft", "add", "table", "inet", "kvferry_fault")
         self.p.exec("nft", "add", "chain", "inet", "kvferry_fault", "out", "{ type filter hook output priority 0 ; }")
         self.p.exec("nft", "add", "rule", "inet", "kvferry_fault", "out", "ip", "daddr", self.d_ip, "tcp", "dport",
-                    "1-65535", "meta", "length", "gt", "20000", "limit", "rate", "1/hour", "burst", "1", "packets",
-                    "counter", "@ih,80000,32", "set", "0xdeadbeef")
+                    "1-65535", "meta", "length", "gt", "4000", "limit", "rate", "1/hour", "burst", "1", "packets",
+                    "counter", "@ih,16000,32", "set", "0xdeadbeef")
 
     def corrupted(self) -> int:
         """Packets the rule altered."""
@@ -389,6 +420,35 @@ class _Link:
     def uncorrupt(self) -> None:
         with contextlib.suppress(RuntimeError):
             self.p.exec("nft", "delete", "table", "inet", "kvferry_fault")
+
+
+class _FreedWatch:
+    """Seconds from `started` until each side holds 0 KV blocks (vLLM's `kv_cache_usage_perc`), polled
+    by a thread per side so that a stopped P does not delay D's reading; None: not within `cap`."""
+
+    def __init__(self, sides: dict[str, list[Any]], started: float, dead: set[str], cap: float) -> None:
+        self.started, self.deadline = started, started + cap
+        self.out: dict[str, float | str | None] = {who: "killed" for who in dead}
+        self.threads = [threading.Thread(target=self._poll, args=(who, servers), daemon=True)
+                        for who, servers in sides.items() if who not in dead]
+        for thread in self.threads:
+            thread.start()
+
+    def _poll(self, who: str, servers: list[Any]) -> None:
+        from kvferry.bench.vllm import metric_sum
+
+        self.out[who] = None
+        while time.monotonic() < self.deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if all(metric_sum(s.metrics(timeout=1), "vllm:kv_cache_usage_perc") == 0 for s in servers):
+                    self.out[who] = round(time.monotonic() - self.started, 3)
+                    return
+            time.sleep(0.1)
+
+    def result(self) -> dict[str, float | str | None]:
+        for thread in self.threads:
+            thread.join(max(0.0, self.deadline - time.monotonic()) + 5)
+        return dict(self.out)
 
 
 class _Matrix:
@@ -434,27 +494,13 @@ class _Matrix:
             time.sleep(0.05)
         raise TimeoutError(f"D's did not wait for remote KV within {self.caps.reading:.0f} s")
 
-    def _freed(self, started: float, dead: set[str]) -> dict[str, float | str | None]:
-        """Seconds from `started` until P and each D hold 0 KV blocks (None: not within the cap)."""
-        from kvferry.bench.vllm import metric_sum
-
-        servers = {"P": [self.pair.p], "D": list(self.pair.d.values())}
-        out: dict[str, float | str | None] = {who: "killed" for who in dead}
-        pending = {who: group for who, group in servers.items() if who not in dead}
-        deadline = started + self.caps.freed
-        while pending and time.monotonic() < deadline:
-            for who in list(pending):
-                with contextlib.suppress(httpx.HTTPError):
-                    if all(metric_sum(s.metrics(timeout=2), "vllm:kv_cache_usage_perc") == 0 for s in pending[who]):
-                        out[who] = round(time.monotonic() - started, 3)
-                        del pending[who]
-            time.sleep(0.1)
-        out.update({who: None for who in pending})
-        return out
+    def _watch(self, started: float, dead: set[str]) -> _FreedWatch:
+        """From `started` on, one thread per side polls until P (or both D's) hold 0 KV blocks."""
+        return _FreedWatch({"P": [self.pair.p], "D": list(self.pair.d.values())}, started, dead, self.caps.freed)
 
     def _cells(self, fault: str, refs: dict[str, str], futures: dict[str, Future[tuple[Any, float]]],
-               before: dict[str, dict[str, float]], t_ref: dict[str, float], dead: set[str], note: str = "",
-               fault_at: float | None = None) -> list[Cell]:
+               before: dict[str, dict[str, float]], t_ref: dict[str, float], dead: set[str],
+               watch: _FreedWatch, note: str = "") -> list[Cell]:
         cells = []
         for policy, future in futures.items():
             cell = Cell(self.pair.kind, policy, fault, note=note)
@@ -482,7 +528,7 @@ class _Matrix:
                 with contextlib.suppress(httpx.HTTPError):
                     cell.causes = counter_deltas(before[cell.policy], d.metrics(), FAILURE_COUNTERS)
             cell.held = {k: v for k, v in {**held, "D": _held(d) if "D" not in dead else None}.items() if v is not None}
-        freed = self._freed(fault_at if fault_at is not None else min(t_ref.values()), dead)
+        freed = watch.result()
         for cell in cells:
             cell.freed_s = dict(freed)
         for cell in cells:
@@ -508,13 +554,14 @@ class _Matrix:
             time.sleep(0.3)
             fault_at = time.monotonic()
             act()
+            watch = self._watch(fault_at, set(dead))
             timer = None
             if undo is not None:
                 timer = threading.Timer(PAUSE_S, undo)
                 timer.start()
             try:
                 cells = self._cells(fault, refs, futures, before, dict.fromkeys(POLICIES, fault_at), set(dead),
-                                    fault_at=fault_at)
+                                    watch)
             finally:
                 if timer is not None:
                     timer.join()
@@ -523,8 +570,7 @@ class _Matrix:
         return cells
 
     def simple(self, fault: str, between: Callable[[], None] | None = None, dead: frozenset[str] = frozenset(),
-               note: Callable[[], str] | None = None, before_ask: Callable[[], None] | None = None,
-               fault_after_prefill: bool = False) -> list[Cell]:
+               note: Callable[[], str] | None = None) -> list[Cell]:
         """P prefills, `between` runs, then D's are asked (the time counts from D's request)."""
         prompts = self._prompts()
         refs = self._references(prompts)
@@ -532,13 +578,12 @@ class _Matrix:
         before = self._before()
         if between is not None:
             between()
-        if before_ask is not None:
-            before_ask()
         t_ref, futures = {}, {}
+        watch = self._watch(time.monotonic(), set(dead))
         for policy in POLICIES:
             t_ref[policy] = time.monotonic()
             futures[policy] = self._ask_d(policy, prompts[policy], params[policy])
-        cells = self._cells(fault, refs, futures, before, t_ref, set(dead))
+        cells = self._cells(fault, refs, futures, before, t_ref, set(dead), watch)
         if note is not None:
             for cell in cells:
                 cell.note = note()
@@ -580,6 +625,10 @@ def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults:
             pair.start_d(policy)
         _wait_healthy(pair.servers(), caps.start)
         log(f"{kind}: P and both D's healthy after {time.monotonic() - started:.0f} s")
+        time.sleep(2.0)
+        cores = idle_cpu(pair.servers())
+        log(f"{kind}: the three idle servers use {cores:.2f} cores")
+        cells.append(Cell(kind, "-", "idle", note=f"{cores:.2f}"))
         for fault in faults:
             try:
                 if fault == "clean":
