@@ -21,3 +21,17 @@ def test_memcpy_rounds_alternate_with_tcp() -> None:
         [("paged", 16, 1 << 20)], reps=1, div=1, seed=0, modes={"tcp": None}, memcpy=True
     )
     assert list(out) == ["memcpy", "tcp"] and all(r[0][0] > 0 for r in out.values())
+
+
+def test_nixl_rounds_alternate_with_memcpy_and_tcp() -> None:
+    from kvferry.transfer import nixl_api
+
+    if not nixl_api.available():
+        import pytest
+
+        pytest.skip("nixl not installed")
+    out = bench.bench_tcp_modes(
+        [("paged", 16, 1 << 20)], reps=1, div=1, seed=0, modes={"tcp": None, "nixl": "s"}, memcpy=True,
+        nixl=frozenset({"nixl"}),
+    )
+    assert list(out) == ["memcpy", "tcp", "nixl"] and all(r[0][0] > 0 for r in out.values())

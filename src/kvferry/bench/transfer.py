@@ -1,4 +1,4 @@
-"""`kvferry bench transfer`: in-process numpy gather/scatter vs the TCP engine vs Mooncake TE.
+"""`kvferry bench transfer`: in-process numpy gather/scatter vs the TCP engine vs NIXL vs Mooncake TE.
 
 - memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit); its repetitions alternate with
   the TCP ones (same blocks), so the ratios compare runs made under the same load.
@@ -6,6 +6,9 @@
   do not share a GIL; CPU time is the sum of both processes.
 - tcp+auth: the same with a shared secret (every message tagged and verified, see `transfer.mac`);
   its repetitions alternate with tcp's, so both see the same load; `x_tcp` is auth ÷ unauthenticated.
+- nixl: the NIXL engine (`transfer.nixl`, UCX: cma on one host), sender here, receiver in a
+  subprocess as for tcp, with the bench secret; its rounds alternate with memcpy's and tcp's; skipped
+  when nixl is not installed.
 - mooncake: both engines in one subprocess inside a private network namespace (its listeners bind
   every interface); skipped when it is not installed or no namespace can be made.
 Block ids are random permutations on both sides; every byte is verified with xxh3 outside the timed
@@ -103,13 +106,22 @@ def bench_tcp(cases: list[Case], reps: int, div: int, seed: int, secret: str | N
 
 
 def bench_tcp_modes(
-    cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None], memcpy: bool = False
+    cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None], memcpy: bool = False,
+    nixl: frozenset[str] = frozenset(),
 ) -> dict[str, list[Result]]:
-    """One sender engine and one receiver process per mode (name → secret or None); per case the
-    modes' repetitions alternate (with `memcpy`, an in-process copy of the same blocks goes first in
-    each round, as "memcpy"), so a noisy box loads them alike."""
+    """One sender engine and one receiver process per mode (name → secret or None; the modes in `nixl`
+    use the NIXL engine); per case the modes' repetitions alternate (with `memcpy`, an in-process copy
+    of the same blocks goes first in each round, as "memcpy"), so a noisy box loads them alike."""
+    from kvferry.transfer.base import TransferEngine
     from kvferry.transfer.peer import PeerProcess
     from kvferry.transfer.tcp import TcpTransferEngine
+
+    def engine_for(mode: str, secret: str | None) -> TransferEngine:
+        if mode in nixl:
+            from kvferry.transfer.nixl import NixlTransferEngine
+
+            return NixlTransferEngine(secret=secret or b"")
+        return TcpTransferEngine(secret=secret or b"")
 
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, REGION, np.uint8)
@@ -119,9 +131,10 @@ def bench_tcp_modes(
     with contextlib.ExitStack() as stack:
         ends = {}
         for mode, secret in modes.items():
-            engine = stack.enter_context(TcpTransferEngine(secret=secret or b""))
+            engine = stack.enter_context(engine_for(mode, secret))
             peer_env = {**env, "KVFERRY_SECRET": secret} if secret else env
-            peer = stack.enter_context(PeerProcess(REGION, env=peer_env))
+            transfer = "nixl" if mode in nixl else "tcp"
+            peer = stack.enter_context(PeerProcess(REGION, env=peer_env, transfer=transfer))
             engine.register("src", src)
             ends[mode] = (engine, peer)
 
@@ -224,7 +237,12 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     seed = 1234
     cases: list[Case] = list(LAYOUTS)
     # memcpy rounds alternate with the TCP ones: the same-run ratio then holds on a drifting box.
-    results = bench_tcp_modes(cases, reps, div, seed, {"tcp": None, "tcp+auth": BENCH_SECRET}, memcpy=True)
+    from kvferry.transfer import nixl_api
+
+    modes: dict[str, str | None] = {"tcp": None, "tcp+auth": BENCH_SECRET}
+    if nixl_api.available():
+        modes["nixl"] = BENCH_SECRET  # authenticated (tags on tokens and notifications, not on bytes)
+    results = bench_tcp_modes(cases, reps, div, seed, modes, memcpy=True, nixl=frozenset({"nixl"}))
     mc, why = bench_mooncake(cases, reps, div, seed)
     if mc is not None:
         results["mooncake"] = mc
@@ -240,13 +258,15 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
                     "GB/s": round(gbps, 3),
                     "cpu_s_per_gib": round(cpu, 3),
                     "x_memcpy": round(gbps / results["memcpy"][i][0], 3),
-                    "x_tcp": round(gbps / results["tcp"][i][0], 3) if backend == "tcp+auth" else None,
+                    "x_tcp": round(gbps / results["tcp"][i][0], 3) if backend in ("tcp+auth", "nixl") else None,
                     "x_mooncake": round(gbps / mc[i][0], 2) if mc is not None else None,
                 }
             )
     report("kvferry bench transfer", rows, json_path)
     if why:
         print(f"mooncake skipped: {why}", file=sys.stderr)
+    if "nixl" not in results:
+        print(f"nixl skipped: not installed ({nixl_api.IMPORT_ERROR})", file=sys.stderr)
     return rows
 
 

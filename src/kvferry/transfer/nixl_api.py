@@ -3,8 +3,8 @@
 `import nixl` (the meta package) picks the backend wheel by the CUDA version of whatever stack is
 loaded; with a CPU build of torch installed and nothing imported yet it imports torch (~1.5 s, some
 hundreds of MB) only to learn that there is no CUDA. The backend wheels themselves (`nixl_cu12`,
-`nixl_cu13`, ...) need only numpy, so when exactly one is installed and torch is not loaded yet it
-is imported directly; otherwise the meta package decides, as it would for the user.
+`nixl_cu13`, ...) need only numpy, so one is imported directly, unless the meta package is there and
+has something to decide (torch is loaded, or several backends are installed).
 
 NIXL's Python logger writes to stdout; it is moved to stderr here (stdout belongs to the program:
 `kvferry.transfer.peer` speaks JSON lines on it) and kept at WARNING unless NIXL_LOG_LEVEL says.
@@ -26,9 +26,10 @@ INSTALL_HINT = "pip install 'kvferry[nixl]' (or nixl-cu12 and nixl --no-deps)"
 
 def _import_api() -> Any:
     installed = [m for m in _BACKENDS if importlib.util.find_spec(m) is not None]
-    if len(installed) == 1 and "torch" not in sys.modules:
+    meta = importlib.util.find_spec("nixl") is not None
+    if installed and not (meta and ("torch" in sys.modules or len(installed) > 1)):
         return importlib.import_module(f"{installed[0]}._api")
-    return importlib.import_module("nixl._api")
+    return importlib.import_module("nixl._api")  # the meta package matches torch's CUDA version
 
 
 def _quiet_logger() -> None:
