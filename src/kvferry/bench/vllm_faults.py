@@ -487,12 +487,18 @@ class _Matrix:
     def _wait_reading(self) -> None:
         from kvferry.bench.vllm import metric_sum
 
+        def reading(d: Any) -> bool:
+            m = {k: v for k, v in d.metrics(timeout=15).items() if 'stage="in_progress"' in k}
+            return metric_sum(m, "vllm:num_requests_kv_fetch_by_stage") >= 1
+
         deadline = time.monotonic() + self.caps.reading
         while time.monotonic() < deadline:
-            if all(metric_sum(d.metrics(), "vllm:num_requests_waiting") >= 1 for d in self.pair.d.values()):
-                return
+            with contextlib.suppress(httpx.HTTPError):
+                # vLLM's scheduler: a KV load started and not reported finished, on both D's
+                if all(reading(d) for d in self.pair.d.values()):
+                    return
             time.sleep(0.05)
-        raise TimeoutError(f"D's did not wait for remote KV within {self.caps.reading:.0f} s")
+        raise TimeoutError(f"D's did not start reading remote KV within {self.caps.reading:.0f} s")
 
     def _watch(self, started: float, dead: set[str]) -> _FreedWatch:
         """From `started` on, one thread per side polls until P (or both D's) hold 0 KV blocks."""
@@ -526,7 +532,7 @@ class _Matrix:
             d = self.pair.d[cell.policy]
             if "D" not in dead:
                 with contextlib.suppress(httpx.HTTPError):
-                    cell.causes = counter_deltas(before[cell.policy], d.metrics(), FAILURE_COUNTERS)
+                    cell.causes = counter_deltas(before[cell.policy], d.metrics(timeout=15), FAILURE_COUNTERS)
             cell.held = {k: v for k, v in {**held, "D": _held(d) if "D" not in dead else None}.items() if v is not None}
         freed = watch.result()
         for cell in cells:
@@ -537,7 +543,7 @@ class _Matrix:
         return cells
 
     def _before(self) -> dict[str, dict[str, float]]:
-        return {policy: d.metrics() for policy, d in self.pair.d.items()}
+        return {policy: d.metrics(timeout=15) for policy, d in self.pair.d.items()}
 
     # -- the cells --
     def reading(self, fault: str, act: Callable[[], None], undo: Callable[[], None] | None = None,
@@ -551,7 +557,6 @@ class _Matrix:
         try:
             futures = {policy: self._ask_d(policy, prompts[policy], params[policy]) for policy in POLICIES}
             self._wait_reading()
-            time.sleep(0.3)
             fault_at = time.monotonic()
             act()
             watch = self._watch(fault_at, set(dead))
@@ -570,14 +575,27 @@ class _Matrix:
         return cells
 
     def simple(self, fault: str, between: Callable[[], None] | None = None, dead: frozenset[str] = frozenset(),
-               note: Callable[[], str] | None = None) -> list[Cell]:
-        """P prefills, `between` runs, then D's are asked (the time counts from D's request)."""
+               note: Callable[[], str] | None = None, each: Callable[[], None] | None = None) -> list[Cell]:
+        """P prefills, `between` runs, then D's are asked (the time counts from D's request). With `each`,
+        the D's one after the other, `each` run before each (the corrupt cell arms its rule per D)."""
         prompts = self._prompts()
         refs = self._references(prompts)
         params = {policy: _prefill(self.pair.p, self.model, text) for policy, text in prompts.items()}
         before = self._before()
         if between is not None:
             between()
+        if each is not None:
+            cells = []
+            for policy in POLICIES:
+                each()
+                watch = self._watch(time.monotonic(), set(dead))
+                t_ref = {policy: time.monotonic()}
+                got = self._cells(fault, refs, {policy: self._ask_d(policy, prompts[policy], params[policy])},
+                                  before, t_ref, set(dead), watch)
+                for cell in got:
+                    cell.note = note() if note is not None else ""
+                cells += got
+            return cells
         t_ref, futures = {}, {}
         watch = self._watch(time.monotonic(), set(dead))
         for policy in POLICIES:
@@ -634,9 +652,12 @@ def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults:
                 if fault == "clean":
                     cells += matrix.simple("clean")
                 elif fault == "corrupt":
-                    link.corrupt_next()
+                    def arm() -> None:  # one altered packet for each D's read
+                        link.uncorrupt()
+                        link.corrupt_next()
+
                     try:
-                        cells += matrix.simple("corrupt", note=lambda: f"packets altered: {link.corrupted()}")
+                        cells += matrix.simple("corrupt", each=arm, note=lambda: f"packets altered: {link.corrupted()}")
                     finally:
                         link.uncorrupt()
                 elif fault == "stop_p":
