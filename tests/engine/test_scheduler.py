@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvferry.connector.fake import LoadPlan, ScriptedConnector
+from kvferry.connector.messages import FirstToken
 from kvferry.engine.engine import Engine, EngineConfig, RequestOutput
 from kvferry.engine.model import ModelConfig, TinyLlama
 from kvferry.engine.request import Request, RequestStatus, SamplingParams
@@ -111,6 +112,53 @@ def test_remote_load_enters_and_leaves_waiting_for_remote_kvs(model: TinyLlama) 
     engine.run_until_idle()
     assert col.tokens("r") == reference_tokens(model, ids)
     assert request.num_recomputed_tokens == 0
+    assert_pool_full(engine)
+
+
+def test_first_token_from_p_is_emitted_without_computing_the_last_prompt_position(model: TinyLlama) -> None:
+    """The load lands with the token P sampled: D emits it in that very step and decodes from it. (A
+    token other than the reference one proves it is P's that D emits.)"""
+    engine, connector = make_engine()
+    col = Collector()
+    ids = prompt(50)
+    expected = reference_tokens(model, ids)
+    p_token = (expected[0] + 1) % 256
+    fill = fill_from(engine, reference_kv(model, ids))
+    connector.plan_load("r", LoadPlan(None, after_steps=2, fill=fill, first_token=FirstToken(p_token, 0.0)))
+    request = submit(engine, col, "r", ids)
+    engine._drain_commands()
+    engine.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    out = engine.step()
+    assert out.chunks == []  # nothing computed ...
+    assert col.tokens("r") == [p_token]  # ... and the first token is out
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.RUNNING, len(ids))
+    engine.run_until_idle()
+    tokens = col.tokens("r")
+    assert tokens[0] == p_token and len(tokens) == 8
+    assert request.num_recomputed_tokens == 0
+    assert_pool_full(engine)
+
+
+@pytest.mark.parametrize(
+    ("first_token", "policy", "invalid"),
+    [
+        (FirstToken(7, 0.7, 1), "fail", ()),  # P sampled otherwise than D's request does
+        (FirstToken(10**6, 0.0), "fail", ()),  # not in the vocabulary
+        (FirstToken(7, 0.0), "recompute", (2,)),  # a block did not land: D recomputes from it
+    ],
+)
+def test_first_token_from_p_is_ignored_unless_it_is_this_requests_own(
+    model: TinyLlama, first_token: FirstToken, policy: str, invalid: tuple[int, ...]
+) -> None:
+    engine, connector = make_engine(policy)
+    col = Collector()
+    ids = prompt(64)
+    fill = fill_from(engine, reference_kv(model, ids), poison=set(invalid))
+    connector.plan_load("r", LoadPlan(None, 2, invalid_block_indices=invalid, fill=fill, first_token=first_token))
+    submit(engine, col, "r", ids)
+    engine.run_until_idle()
+    assert col.tokens("r") == reference_tokens(model, ids)
     assert_pool_full(engine)
 
 

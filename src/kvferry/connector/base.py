@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvferry.connector.messages import FirstToken
 
 
 class ConnectorRole(enum.Enum):
@@ -157,6 +160,16 @@ class KVConnector(abc.ABC):
     def get_failure_causes(self) -> dict[str, tuple[str, str]]:
         """Drain request id → (cause, message) for failed loads since the last call."""
         return {}
+
+    def get_first_tokens(self) -> dict[str, FirstToken]:
+        """Drain request id → the first token P sampled, for loads finished since the last call: the
+        scheduler may emit it instead of computing the last prompt position again."""
+        return {}
+
+    def set_waker(self, wake: Callable[[], None]) -> bool:
+        """The engine's wake-up: a worker that calls it whenever it has something for the engine to
+        report (finished loads or sends, failures) returns True, and the engine then stops polling it."""
+        return False
 
     def stats(self) -> dict[str, Any]:
         """Counters for /debug/state (pending_pulls, pending_sends, ...)."""

@@ -23,7 +23,15 @@ from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineI
 from kvferry.connector.dealer import Dealer
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
 from kvferry.connector.liveness import DelayEstimator
-from kvferry.connector.messages import MAX_MESSAGE_BYTES, PullRequest, PullResponse, Release, Status, encode
+from kvferry.connector.messages import (
+    MAX_MESSAGE_BYTES,
+    FirstToken,
+    PullRequest,
+    PullResponse,
+    Release,
+    Status,
+    encode,
+)
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.pulls import LEASE_HEARTBEATS, ConsumerConfig, Outbox, PullMeta, PullSpec, PullTask
 from kvferry.transfer.base import TransferEngine, covered
@@ -86,6 +94,10 @@ class Consumer:
     def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
         finished, invalid, causes = self.outbox.drain()
         return finished, invalid, causes
+
+    def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
+        """`drain` and the first tokens P sampled for the pulls that finished."""
+        return self.outbox.drain_all()
 
     @property
     def pending_pulls(self) -> int:
@@ -250,14 +262,14 @@ class Consumer:
                     [pull], cause, f"{len(bad)} block(s) from P rank {task.p_rank} {cause} error"
                 )
                 return
-            task.done = True
+            task.done, task.first_token = True, resp.first_token
             pull.pull_tasks_count = max(0, pull.pull_tasks_count - 1)
             if pull.failed:  # another P rank already failed this request
                 return
             if pull.pull_tasks_count == 0:
-                self._succeed(pull, resp)
+                self._succeed(pull)
 
-    def _succeed(self, pull: PullMeta, resp: PullResponse) -> None:
+    def _succeed(self, pull: PullMeta) -> None:
         if not self._stage_in(pull.block_ids):
             self._handle_failed_recv([pull], "transport", "received blocks could not be copied into the KV cache")
             return
@@ -268,7 +280,9 @@ class Consumer:
         self.metrics.kv_transfer_bytes.inc(nbytes)
         self.metrics.kv_transfer_seconds.observe(elapsed)
         if pull.block_ids:  # a release-only pull is not the scheduler's business
-            self.outbox.report(pull.request_id)
+            # P's first token, when every P rank named the same one (they sample once, in one engine).
+            tokens = {t.first_token for t in pull.tasks}
+            self.outbox.report(pull.request_id, first_token=tokens.pop() if len(tokens) == 1 else None)
 
     def _stage_in(self, block_ids: list[int]) -> bool:
         try:

@@ -17,6 +17,7 @@ from kvferry.connector.base import (
     RequestLike,
     SchedulerOutputLike,
 )
+from kvferry.connector.messages import FirstToken
 
 # Called when a planned load completes, with the request's local block ids, to fill the KV cache.
 FillFn = Callable[[list[int]], None]
@@ -30,6 +31,7 @@ class LoadPlan:
     cause: tuple[str, str] | None = None  # reported with the failure; None = no cause
     fill: FillFn | None = None
     never_finish: bool = False
+    first_token: FirstToken | None = None  # what P sampled, reported with the finished load
 
 
 @dataclass
@@ -39,6 +41,7 @@ class _Event:
     invalid_block_ids: set[int] = field(default_factory=set)
     failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
     fills: list[tuple[FillFn, list[int]]] = field(default_factory=list)
+    first_tokens: dict[str, FirstToken] = field(default_factory=dict)
 
 
 class ScriptedConnector(KVConnector):
@@ -98,6 +101,8 @@ class ScriptedConnector(KVConnector):
             event.failure_causes[request.request_id] = plan.cause
         if plan.fill is not None:
             event.fills.append((plan.fill, list(block_ids)))
+        if plan.first_token is not None:
+            event.first_tokens[request.request_id] = plan.first_token
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
         # An abort of a parked load is reported back on the next step, as a real worker would.
@@ -136,6 +141,9 @@ class ScriptedConnector(KVConnector):
 
     def get_failure_causes(self) -> dict[str, tuple[str, str]]:
         return self._current.failure_causes
+
+    def get_first_tokens(self) -> dict[str, FirstToken]:
+        return self._current.first_tokens
 
     def stats(self) -> dict[str, Any]:
         return {"pending_pulls": len(self._pending_loads)}

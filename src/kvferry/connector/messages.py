@@ -60,6 +60,15 @@ class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
 Inbound = PullRequest | Heartbeat | Release
 
 
+class FirstToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The token P sampled after the prompt and how it sampled it: D emits it as its first token, without
+    computing the last prompt position again, when its own request samples the same way."""
+
+    token: int
+    temperature: float
+    seed: int | None = None
+
+
 class PullResponse(msgspec.Struct, tag="resp", forbid_unknown_fields=True):
     status: Status
     d_request_id: str = ""
@@ -74,6 +83,8 @@ class PullResponse(msgspec.Struct, tag="resp", forbid_unknown_fields=True):
     injected: bool = False
     # For ERROR: the failure cause D reports (`expired`, `transport`, ...); empty = `error_reply`.
     cause: str = ""
+    # For FINISH: P's first sampled token, when P's engine is kvferry's (None: D computes it).
+    first_token: FirstToken | None = None
 
 
 class HeartbeatAck(msgspec.Struct, tag="hb_ack", forbid_unknown_fields=True):

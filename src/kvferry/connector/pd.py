@@ -7,7 +7,7 @@ different processes. kv_transfer_params use the names of vLLM's Mooncake proxy (
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +34,11 @@ from kvferry.connector.consumer import Consumer
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, PagedKVLayout
 from kvferry.connector.liveness import DEFAULT_CEILING_S
+from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.producer import Producer
 from kvferry.connector.pulls import ConsumerConfig, PullSpec
+from kvferry.engine.request import Request
 from kvferry.transfer.base import TransferEngine
 from kvferry.transfer.wire import join_addr
 
@@ -84,6 +86,7 @@ class SendSpec:
     block_ids: list[int]
     num_tokens: int
     prompt_digest: str = ""
+    first_token: FirstToken | None = None
 
 
 @dataclass
@@ -140,6 +143,8 @@ class PDConnector(KVConnector):
         self.transfer_engines: list[TransferEngine] = []
         self._invalid: set[int] = set()
         self._causes: dict[str, tuple[str, str]] = {}
+        self._first_tokens: dict[str, FirstToken] = {}
+        self._waker: Callable[[], None] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -248,7 +253,7 @@ class PDConnector(KVConnector):
             return False, None
         self._lent[request.request_id] = transfer_id
         self._to_send.append(SendSpec(transfer_id, request.request_id, list(block_ids), request.num_prompt_tokens,
-                                      self._digest(request)))
+                                      self._digest(request), _first_token(request)))
         return True, {
             "do_remote_prefill": True,
             "transfer_id": transfer_id,
@@ -278,6 +283,7 @@ class PDConnector(KVConnector):
             )
             bootstrap = BootstrapClient(secret=self.config.secret)
             self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics, bootstrap)
+            self._install_waker()
             return
         self.producer = Producer(
             layout, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
@@ -289,6 +295,7 @@ class PDConnector(KVConnector):
         for rank, addr in enumerate(self.producer.control_addrs):
             self.bootstrap_server.register(Registration(self.config.engine_id, self.config.tp_size, rank, addr))
         self.bootstrap_server.start()
+        self._install_waker()
 
     def _new_transfer_engine(self, rank: int) -> TransferEngine:
         if self.config.transfer == "mooncake":
@@ -314,7 +321,7 @@ class PDConnector(KVConnector):
                 self.producer.add_working(transfer_id, request_id)
             for send in metadata.to_send:
                 self.producer.add_ready(send.transfer_id, send.request_id, send.block_ids, send.num_tokens,
-                                        send.prompt_digest)
+                                        send.prompt_digest, send.first_token)
             for transfer_id, request_id in metadata.dead_transfers:
                 self.producer.add_dead(transfer_id, request_id)
         if self.consumer is not None:
@@ -328,8 +335,8 @@ class PDConnector(KVConnector):
             self.producer.step_ended()
             return self.producer.drain_finished(), set()
         if self.consumer is not None:
-            finished, invalid, causes = self.consumer.drain()
-            self._invalid, self._causes = invalid, causes
+            finished, invalid, causes, first_tokens = self.consumer.drain_all()
+            self._invalid, self._causes, self._first_tokens = invalid, causes, first_tokens
             return set(), finished
         return set(), set()
 
@@ -340,6 +347,23 @@ class PDConnector(KVConnector):
     def get_failure_causes(self) -> dict[str, tuple[str, str]]:
         causes, self._causes = self._causes, {}
         return causes
+
+    def get_first_tokens(self) -> dict[str, FirstToken]:
+        tokens, self._first_tokens = self._first_tokens, {}
+        return tokens
+
+    def set_waker(self, wake: Callable[[], None]) -> bool:
+        self._waker = wake
+        self._install_waker()
+        return True
+
+    def _install_waker(self) -> None:
+        if self._waker is None:
+            return
+        if self.consumer is not None:
+            self.consumer.outbox.waker = self._waker
+        if self.producer is not None:
+            self.producer.table.waker = self._waker
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -361,3 +385,11 @@ class PDConnector(KVConnector):
             self.consumer.close()
         for engine in self.transfer_engines:
             engine.close()
+
+
+def _first_token(request: RequestLike) -> FirstToken | None:
+    """What P sampled after the prompt, and how (kvferry's own requests; a vLLM request view has none)."""
+    if not isinstance(request, Request) or not request.output_token_ids:
+        return None
+    params = request.sampling_params
+    return FirstToken(request.output_token_ids[0], params.temperature, params.seed)

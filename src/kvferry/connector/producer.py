@@ -20,7 +20,7 @@ import zmq
 
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, d_ranks_for, overlap, write_ops
-from kvferry.connector.messages import PullRequest
+from kvferry.connector.messages import FirstToken, PullRequest
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.rank_loop import SCRATCH_REGION, RankLoop
 from kvferry.connector.senders import PeerSenders
@@ -87,8 +87,9 @@ class Producer:
         self.table.add_working(transfer_id, request_id)
 
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int,
-                  prompt_digest: str = "") -> None:
-        self.table.add_ready(transfer_id, request_id, block_ids, num_tokens, time.monotonic(), prompt_digest)
+                  prompt_digest: str = "", first_token: FirstToken | None = None) -> None:
+        self.table.add_ready(transfer_id, request_id, block_ids, num_tokens, time.monotonic(), prompt_digest,
+                             first_token)
         self._wake_all()
 
     def add_dead(self, transfer_id: str, request_id: str) -> None:

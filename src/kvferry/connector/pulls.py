@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvferry.connector.bootstrap import LOOPBACK
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.liveness import DEFAULT_CEILING_S
-from kvferry.connector.messages import PullResponse
+from kvferry.connector.messages import FirstToken, PullResponse
 from kvferry.transfer.base import ByteRange
 
 LEASE_HEARTBEATS = 7
@@ -75,6 +75,7 @@ class PullTask:
     checksums: list[int] = field(default_factory=list)
     future: asyncio.Future[PullResponse] | None = None
     done: bool = False
+    first_token: FirstToken | None = None  # from P's FINISH
 
 
 @dataclass
@@ -97,26 +98,41 @@ class PullMeta:
 
 
 class Outbox:
-    """Loop thread → engine thread: finished requests, invalid blocks, failure causes."""
+    """Loop thread → engine thread: finished requests, invalid blocks, failure causes, P's first tokens.
+    Every report wakes the engine thread (`waker`), so it need not poll for them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.finished: set[str] = set()
         self.invalid: set[int] = set()
         self.causes: dict[str, tuple[str, str]] = {}
+        self.first_tokens: dict[str, FirstToken] = {}
+        self.waker: Callable[[], None] = _nothing
 
     def report(
-        self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None
+        self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None,
+        first_token: FirstToken | None = None,
     ) -> None:
         with self._lock:
-            # Cause and blocks go in with the request, so one drain never sees the request without them.
+            # Cause, blocks and token go in with the request, so one drain never sees it without them.
             if cause is not None:
                 self.causes[request_id] = cause
+            if first_token is not None:
+                self.first_tokens[request_id] = first_token
             self.invalid.update(invalid)
             self.finished.add(request_id)
+        self.waker()
 
     def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
+        finished, invalid, causes, _ = self.drain_all()
+        return finished, invalid, causes
+
+    def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
         with self._lock:
-            out = (self.finished, self.invalid, self.causes)
-            self.finished, self.invalid, self.causes = set(), set(), {}
+            out = (self.finished, self.invalid, self.causes, self.first_tokens)
+            self.finished, self.invalid, self.causes, self.first_tokens = set(), set(), {}, {}
         return out
+
+
+def _nothing() -> None:
+    pass

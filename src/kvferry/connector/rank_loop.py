@@ -28,6 +28,7 @@ from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sea
 from kvferry.connector.layout import overlap
 from kvferry.connector.messages import (
     MAX_FRAME_BYTES,
+    FirstToken,
     Heartbeat,
     HeartbeatAck,
     Inbound,
@@ -257,11 +258,12 @@ class RankLoop(threading.Thread):
         elif v.kind == "write":
             assert v.write is not None
             self.reply(identity, _response(pull, Status.CONTINUE))
-            self._submit(identity, pull, v.write, v.blocks, fault)
+            self._submit(identity, pull, v.write, v.blocks, fault, v.first_token)
         # "drop": the injected fault, this pull is never answered
 
-    def _submit(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None) -> None:
-        job = functools.partial(self._serve, identity, pull, w, blocks, fault)
+    def _submit(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None,
+                first_token: FirstToken | None = None) -> None:
+        job = functools.partial(self._serve, identity, pull, w, blocks, fault, first_token)
         try:
             self.p.senders.submit(f"{self.rank}/{pull.d_transfer_addr}", job)
         except Exception:
@@ -299,7 +301,8 @@ class RankLoop(threading.Thread):
             self._parked.append(item)
 
     # ---- send threads -----------------------------------------------------------------------------
-    def _serve(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None) -> None:
+    def _serve(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None,
+               first_token: FirstToken | None = None) -> None:
         """Runs on the peer's send thread: checksums, the data-plane write, then the reply."""
         if not self.p.table.write_wanted(w):
             self.p.table.write_done(w, failed=True)
@@ -338,7 +341,7 @@ class RankLoop(threading.Thread):
         self.p.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
         self.p.table.write_done(w, failed=False)
         self.reply(identity, _response(pull, Status.FINISH, ok_reqs=[pull.d_request_id], checksums=checksums,
-                                       bytes_written=nbytes))
+                                       bytes_written=nbytes, first_token=first_token))
 
 
     def _slow(self, w: Write, seconds: float) -> None:

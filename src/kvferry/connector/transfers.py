@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvferry.connector.messages import PullRequest
+from kvferry.connector.messages import FirstToken, PullRequest
 from kvferry.connector.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class Verdict:
     why: str = ""
     write: Write | None = None
     blocks: list[int] = field(default_factory=list)
+    first_token: FirstToken | None = None  # what P sampled after the prompt, for D (with the write)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Transfer:
     block_ids: list[int] | None = None  # set once the prefill is done
     num_tokens: int = 0
     prompt_digest: str = ""
+    first_token: FirstToken | None = None
     d_tp: int | None = None  # D's tp size, fixed by the first pull
     dead: str | None = None  # the P request ended without KV (aborted, error)
     working: bool = False  # P has the request queued or prefilling: its KV is coming
@@ -84,6 +86,8 @@ class TransferTable:
         self._transfers: dict[str, Transfer] = {}
         self._recent: OrderedDict[str, str] = OrderedDict()  # ended transfer id → why
         self._finished: set[str] = set()
+        # Called (under the lock) whenever a request joins `_finished`: the engine thread wakes for it.
+        self.waker: Callable[[], None] = _nothing
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -106,6 +110,7 @@ class TransferTable:
         self._remember(t.transfer_id, t.doomed)
         if t.request_id is not None:
             self._finished.add(t.request_id)
+            self.waker()
         if t.doomed == "expired" and t.ready:
             self.metrics.kv_leases_expired.inc()
             log.warning("transfer %s expired: its blocks were never (fully) pulled", t.transfer_id)
@@ -145,17 +150,18 @@ class TransferTable:
                 t.working = True
 
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, now: float,
-                  prompt_digest: str = "") -> None:
+                  prompt_digest: str = "", first_token: FirstToken | None = None) -> None:
         with self.lock:
             t = self._transfers.get(transfer_id)
             # D gave up (released, expired) before the prefill ended, or another request owns the id.
             if (t is None and transfer_id in self._recent) or self._claimed_by_other(t, request_id):
                 self._finished.add(request_id)
+                self.waker()
                 return
             if t is None:
                 t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
             t.request_id, t.owner, t.block_ids, t.num_tokens, t.working = request_id, request_id, block_ids, num_tokens, False
-            t.prompt_digest = prompt_digest
+            t.prompt_digest, t.first_token = prompt_digest, first_token
             # Before any pull P's own abort timeout bounds the hold; after one, D's lease does.
             t.expires = now + self.abort_timeout_s if not t.leased or t.expires == math.inf else t.expires
 
@@ -250,7 +256,7 @@ class TransferTable:
             t.d_tp = pull.d_tp_size
             w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr, pull.grant_token)
             t.writes.add(w)
-            return Verdict("write", write=w, blocks=list(t.block_ids))
+            return Verdict("write", write=w, blocks=list(t.block_ids), first_token=t.first_token)
 
     def give_up(self, transfer_id: str) -> None:
         """A parked pull waited its whole abort timeout and P is not working on the request."""
@@ -320,3 +326,7 @@ class TransferTable:
                 self.doom(t, "expired")
                 cancel.extend(t.writes)  # every sweep until they return: a write may start late
         return cancel
+
+
+def _nothing() -> None:
+    pass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.base import KVConnector, NoOpConnector
+from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.engine.block_pool import BlockPool
 from kvferry.engine.loader import LoadedModel, load_model
@@ -26,8 +27,11 @@ from kvferry.engine.text import ByteCodec
 
 log = logging.getLogger(__name__)
 
-# While transfers are pending the engine polls its worker this often even with nothing to compute.
+# While transfers are pending the engine polls its worker this often even with nothing to compute; a
+# worker that wakes the engine for everything it reports (`KVConnector.set_waker`) is polled only as a
+# safety net, so waiting for KV costs no CPU that P's prefill on the same cores could use.
 _POLL_INTERVAL_S = 0.001
+_WOKEN_POLL_INTERVAL_S = 0.05
 # The engine thread publishes its state for /debug/state at most this often (and whenever idle).
 _PUBLISH_INTERVAL_S = 1.0
 
@@ -110,6 +114,8 @@ class Engine:
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        woken = self.worker_connector.set_waker(self._wakeup.set)
+        self._poll_interval_s = _WOKEN_POLL_INTERVAL_S if woken else _POLL_INTERVAL_S
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-core-{config.engine_id}", daemon=True)
         self.metrics.kv_blocks_total.set(config.num_blocks)
@@ -204,8 +210,10 @@ class Engine:
                     self._connector_step = False
                     self.step()
                     self._publish()
-                    if not s.has_unfinished:
-                        self._wakeup.wait(_POLL_INTERVAL_S)
+                    # A request that just finished has connector work for the next step (P: hand its
+                    # blocks to the producer for D's pull): no wait before it.
+                    if not (s.has_unfinished or s.has_finished_pending):
+                        self._wakeup.wait(self._poll_interval_s)
                         self._wakeup.clear()
                     continue
                 if not idle_checked:
@@ -308,6 +316,7 @@ class Engine:
             finished_recving,
             self.worker_connector.get_block_ids_with_load_errors(),
             self.worker_connector.get_failure_causes(),
+            self._first_tokens(),
         )
         recomputed_before, unknown_before = self.scheduler.num_recomputed_tokens, self.scheduler.num_unknown_ids
         for request in self.scheduler.update(out, sampled, report):
@@ -318,6 +327,12 @@ class Engine:
             self._emit(request)
         self._update_gauges(recomputed_before, unknown_before)
         return out
+
+    def _first_tokens(self) -> dict[str, FirstToken]:
+        """P's first tokens for the loads that just landed, those in this model's vocabulary (for any
+        other, D computes the token itself)."""
+        vocab = self.model.config.vocab_size
+        return {r: t for r, t in self.worker_connector.get_first_tokens().items() if 0 <= t.token < vocab}
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvferry.connector.base import KVConnector
+from kvferry.connector.messages import FirstToken
 from kvferry.engine.block_pool import BlockPool
 from kvferry.engine.request import Request, RequestStatus
 
@@ -47,6 +48,8 @@ class WorkerResult:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # The token P sampled after the prompt, per loaded request (ids already checked against the vocab).
+    first_tokens: dict[str, FirstToken] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -100,6 +103,11 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.ready or self.running)
+
+    @property
+    def has_finished_pending(self) -> bool:
+        """Requests finished since the last step: the next one tells the connector."""
+        return bool(self._finished_since_last_step)
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -262,6 +270,17 @@ class Scheduler:
                 self.num_recomputed_tokens += request.num_tokens - cut
                 request.num_recomputed_tokens += request.num_tokens - cut
                 request.num_computed_tokens = cut
+            elif len(self.running) < self.config.max_num_seqs and _samples_alike(
+                worker.first_tokens.get(request_id), request
+            ):
+                # The whole prompt landed and P sampled the first token as this request would: emit it
+                # now (the same bits: P's logits are the colocated ones) and go straight to decoding.
+                request.num_computed_tokens = request.num_tokens
+                request.output_token_ids.append(worker.first_tokens[request_id].token)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                touched.append(request)
+                continue
             else:
                 # The first output token is sampled locally: recompute the last prompt token.
                 request.num_computed_tokens = request.num_tokens - 1
@@ -317,3 +336,10 @@ class Scheduler:
         yield from self.ready
         yield from self.running
         yield from self.remote.values()
+
+
+def _samples_alike(first: FirstToken | None, request: Request) -> bool:
+    """P's first token is this request's own: same sampling (temperature, seed), and nothing generated yet."""
+    params = request.sampling_params
+    return (first is not None and not request.output_token_ids
+            and (first.temperature, first.seed) == (params.temperature, params.seed))
