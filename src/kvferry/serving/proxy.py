@@ -31,7 +31,7 @@ from kvferry.serving.protocol import (
     error_responses,
     validation_message,
 )
-from kvferry.serving.proxy_attempt import Attempt, Outcome
+from kvferry.serving.proxy_attempt import Attempt, Outcome, PrefillConnections
 
 RETRY_BACKOFF_S = 0.25
 TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
@@ -63,12 +63,14 @@ def build_proxy_app(
     prefills = InstancePool([PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential)
                              for u in prefill_urls], client)
     decodes = InstancePool([Instance(u.rstrip("/")) for u in decode_urls], client)
+    p_conns = PrefillConnections()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await prefills.close()
         await decodes.close()
+        await p_conns.close()
         await client.aclose()
 
     app = FastAPI(title="kvferry P/D proxy", version="0.1.0", lifespan=lifespan)
@@ -157,7 +159,7 @@ def build_proxy_app(
             ejections = prefills.ejections(), decodes.ejections()
             transfer_id = f"xfer-{uuid.uuid4()}"
             response, outcome = await Attempt(
-                client, prefills, decodes, target, decode, body, stream, transfer_id, path
+                client, prefills, decodes, target, decode, body, stream, transfer_id, path, p_conns
             ).run()
             metrics.ejections.labels(role="prefill").inc(prefills.ejections() - ejections[0])
             metrics.ejections.labels(role="decode").inc(decodes.ejections() - ejections[1])

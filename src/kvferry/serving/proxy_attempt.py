@@ -33,6 +33,59 @@ class Outcome(enum.Enum):
     UNREACHABLE = "unreachable"  # an instance could not be reached or died (--retry-unreachable)
 
 
+class PrefillConnections:
+    """P's requests, each on a connection of its own while it runs, closed on every way out but a whole
+    answer. Cancelling a request is how the proxy tells P to abort; cancelled mid-flight on a shared pool,
+    httpx left the socket open and out of the pool (measured: proxy fds 8 -> 27 over 4 D restarts under
+    load, never reclaimed). A connection whose answer was read in full is kept for the next request to
+    that P (a new connection per request cost ~1.7 ms of TTFT on a loaded box), at most `max_idle` per P
+    and for at most `idle_s` (below uvicorn's 5 s keep-alive, so P never closes one we are about to use)."""
+
+    def __init__(self, max_idle: int = 8, idle_s: float = 2.0) -> None:
+        self.max_idle = max_idle
+        self.idle_s = idle_s
+        self._idle: dict[str, list[httpx.AsyncClient]] = {}
+
+    async def post(self, url: str, body: dict[str, Any]) -> httpx.Response:
+        origin = _origin(url)
+        idle = self._idle.get(origin)
+        client = idle.pop() if idle else self._new()
+        try:
+            response = await client.post(url, json=body)
+        except BaseException:  # cancelled (P must abort), or the connection broke: close it
+            await client.aclose()
+            raise
+        if len(self._idle.setdefault(origin, [])) < self.max_idle:
+            self._idle[origin].append(client)
+        else:
+            await client.aclose()
+        return response
+
+    def idle(self) -> int:
+        return sum(len(clients) for clients in self._idle.values())
+
+    async def close(self) -> None:
+        clients = [c for idle in self._idle.values() for c in idle]
+        self._idle.clear()
+        for client in clients:
+            await client.aclose()
+
+    def _new(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=self.idle_s)
+        return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), verify=_tls(), limits=limits)
+
+
+def _origin(url: str) -> str:
+    parsed = httpx.URL(url)
+    return f"{parsed.scheme}://{parsed.netloc.decode()}"
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One TLS context for every P connection: httpx builds a new one per client otherwise (~40 ms here)."""
+    return ssl.create_default_context()
+
+
 @dataclass
 class Attempt:
     client: httpx.AsyncClient
@@ -44,6 +97,12 @@ class Attempt:
     stream: bool
     transfer_id: str
     path: str = "/v1/completions"  # or /v1/chat/completions
+    # The proxy's connections to P (None: one per request, closed after it).
+    p_conns: PrefillConnections | None = None
+
+    @property
+    def _p(self) -> PrefillConnections:
+        return self.p_conns or PrefillConnections(max_idle=0)
 
     async def run(self) -> tuple[Response, Outcome]:
         if not self.target.known:
@@ -64,7 +123,7 @@ class Attempt:
             "remote_engine_id": self.target.engine_id,
             "remote_bootstrap_addr": self.target.bootstrap_addr,
         }}
-        prefill = asyncio.create_task(_post_prefill(f"{self.target.url}{self.path}", p_body))
+        prefill = asyncio.create_task(self._p.post(f"{self.target.url}{self.path}", p_body))
         prefill.add_done_callback(_consume_exception)
         d_request = self.client.build_request("POST", f"{self.decode.url}{self.path}", json=d_body)
         decode = asyncio.create_task(self.client.send(d_request, stream=True))
@@ -149,7 +208,7 @@ class Attempt:
     async def _sequential(self, p_body: dict[str, Any]) -> tuple[Response, Outcome]:
         """Prefill first, then hand P's kv_transfer_params to D (for prefill instances that are not kvferry)."""
         try:
-            p_response = await _post_prefill(f"{self.target.url}{self.path}", p_body)
+            p_response = await self._p.post(f"{self.target.url}{self.path}", p_body)
         except httpx.HTTPError as exc:
             return self._unreachable(self.prefills, self.target, f"prefill request failed: {exc!r}")
         if p_response.status_code != 200:
@@ -174,20 +233,6 @@ class Attempt:
         except httpx.HTTPError as exc:
             return self._unreachable(self.decodes, self.decode, f"decode {self.decode.url} unavailable: {exc!r}")
         return await self._relay(d_response, None)
-
-
-async def _post_prefill(url: str, body: dict[str, Any]) -> httpx.Response:
-    """P's request on a connection of its own, closed on every way out. Cancelling it is how the proxy
-    tells P to abort; cancelled mid-flight on the shared pool, httpx left the socket open and out of the
-    pool (measured: proxy fds 8 -> 27 over 4 D restarts under load, never reclaimed)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), verify=_tls()) as client:
-        return await client.post(url, json=body)
-
-
-@functools.cache
-def _tls() -> ssl.SSLContext:
-    """One TLS context for every P request: httpx builds a new one per client otherwise (~40 ms here)."""
-    return ssl.create_default_context()
 
 
 async def _cancel(decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[httpx.Response] | None) -> None:
