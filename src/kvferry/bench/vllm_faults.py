@@ -250,6 +250,7 @@ class _Pair:
         self.p: Any = None
         self.d: dict[str, Any] = {}
         self.p_short = False
+        self.data_ports = {policy: free_port() for policy in POLICIES}  # kvferry D's: the corrupt cell's match
 
     def _serve(self, name: str, host: Any, port: int, config: dict[str, Any], env: dict[str, str],
                blocks: int) -> Any:
@@ -259,6 +260,13 @@ class _Pair:
         argv = [*host.prefix, self.vllm, "serve", self.model, "--port", str(port), *common,
                 "--num-gpu-blocks-override", str(blocks), "--kv-transfer-config", json.dumps(config)]
         return _Group(f"{self.kind}-{name}", argv, port, env, host=host.ip)
+
+    def data_plane(self) -> list[str]:
+        """nft match for the KV bytes P sends D: to kvferry D's data ports; from UCX's ports on P (D's
+        UCX endpoint connects to P's listener, P answers D's reads on that connection)."""
+        if self.kind == "kvferry":
+            return ["tcp", "dport", "{ " + ", ".join(str(p) for p in self.data_ports.values()) + " }"]
+        return ["tcp", "sport", "21000-21999"]
 
     def _nixl_env(self, host: Any, ports: str) -> dict[str, str]:
         from kvferry.bench.vllm import nixl_env
@@ -290,7 +298,8 @@ class _Pair:
             config: dict[str, Any] = {
                 "kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
                 "kv_role": "kv_consumer", "kv_load_failure_policy": policy,
-                "kv_connector_extra_config": {"host": host.ip, "prefill_allow": [self.net["p"].ip]}}
+                "kv_connector_extra_config": {"host": host.ip, "prefill_allow": [self.net["p"].ip],
+                                              "data_port": self.data_ports[policy]}}
             env: dict[str, str] = {}
         else:
             config = {**self.nixl_config, "kv_load_failure_policy": policy}
@@ -394,16 +403,16 @@ class _Link:
         with contextlib.suppress(RuntimeError):
             self.p.exec("iptables", "-D", "OUTPUT", "-d", self.d_ip, "-j", "DROP")
 
-    def corrupt_next(self) -> None:
+    def corrupt_next(self, data_plane: list[str]) -> None:
         """nftables rewrites 4 bytes (0xdeadbeef, a float32 of -6e18) 2,000 bytes into the payload of
-        the next TCP packet over 4,000 bytes that P sends D: one bulk KV packet (UCX's TCP transport
-        sends 8 KiB segments, kvferry's up to GSO size; control messages are smaller), once, with
-        TCP's checksum fixed, so neither TCP nor the NIC notices — what a flipped bit in a switch's or
-        a host's memory looks like to the receiver."""
+        the next TCP packet over 4,000 bytes that P sends D on the KV data plane (`data_plane`, an nft
+        match: kvferry's D data ports, UCX's TCP ports on P), once, with TCP's checksum fixed, so
+        neither TCP nor the NIC notices — what a flipped bit in a switch's or a host's memory looks like
+        to the receiver. UCX's TCP transport sends 8 KiB segments, kvferry's are up to GSO size."""
         self.p.exec("nft", "add", "table", "inet", "kvferry_fault")
         self.p.exec("nft", "add", "chain", "inet", "kvferry_fault", "out", "{ type filter hook output priority 0 ; }")
-        self.p.exec("nft", "add", "rule", "inet", "kvferry_fault", "out", "ip", "daddr", self.d_ip, "tcp", "dport",
-                    "1-65535", "meta", "length", "gt", "4000", "limit", "rate", "1/hour", "burst", "1", "packets",
+        self.p.exec("nft", "add", "rule", "inet", "kvferry_fault", "out", "ip", "daddr", self.d_ip, *data_plane,
+                    "meta", "length", "gt", "4000", "limit", "rate", "1/hour", "burst", "1", "packets",
                     "counter", "@ih,16000,32", "set", "0xdeadbeef")
 
     def corrupted(self) -> int:
@@ -580,22 +589,24 @@ class _Matrix:
         the D's one after the other, `each` run before each (the corrupt cell arms its rule per D)."""
         prompts = self._prompts()
         refs = self._references(prompts)
-        params = {policy: _prefill(self.pair.p, self.model, text) for policy, text in prompts.items()}
-        before = self._before()
-        if between is not None:
-            between()
         if each is not None:
             cells = []
             for policy in POLICIES:
+                params = {policy: _prefill(self.pair.p, self.model, prompts[policy])}
+                before = self._before()
                 each()
                 watch = self._watch(time.monotonic(), set(dead))
                 t_ref = {policy: time.monotonic()}
                 got = self._cells(fault, refs, {policy: self._ask_d(policy, prompts[policy], params[policy])},
                                   before, t_ref, set(dead), watch)
-                for cell in got:
+                for cell in got:  # the note after the answer: the rule's counter
                     cell.note = note() if note is not None else ""
                 cells += got
             return cells
+        params = {policy: _prefill(self.pair.p, self.model, text) for policy, text in prompts.items()}
+        before = self._before()
+        if between is not None:
+            between()
         t_ref, futures = {}, {}
         watch = self._watch(time.monotonic(), set(dead))
         for policy in POLICIES:
@@ -654,7 +665,7 @@ def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults:
                 elif fault == "corrupt":
                     def arm() -> None:  # one altered packet for each D's read
                         link.uncorrupt()
-                        link.corrupt_next()
+                        link.corrupt_next(pair.data_plane())
 
                     try:
                         cells += matrix.simple("corrupt", each=arm, note=lambda: f"packets altered: {link.corrupted()}")
@@ -729,6 +740,8 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
     if not vllm.exists():
         raise SystemExit(f"kvferry bench vllm --faults: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
     faults = QUICK_FAULTS if quick else FAULT_KEYS
+    if os.environ.get("KVFERRY_BENCH_FAULTS"):  # a subset, e.g. `corrupt` (the first server start is always paid)
+        faults = tuple(f for f in FAULT_KEYS if f in os.environ["KVFERRY_BENCH_FAULTS"].split(","))
     began = time.monotonic()
 
     def log(line: str) -> None:
