@@ -3,7 +3,8 @@ transformers (torch, CPU, float32) on the same weights in the same run when torc
 
 Both sides use the same thread count (`--blas-threads`, default 1: kvferry's determinism needs one
 count everywhere). Prefill: one prompt of N tokens, one call. Decode: 32 tokens at batch 1, greedy,
-after a 128-token prompt (the numpy engine decodes one sequence per call).
+after a 128-token prompt, then 32 steps of 8 sequences decoding together (numpy: one `forward_batch`
+per step, as the engine runs them; transformers: a batch of 8 equal-length prompts).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvferry.bench.report import report
 
 PREFILL_LENGTHS = (128, 512)
 DECODE_TOKENS = 32
+DECODE_BATCH = 8
 BLOCK_SIZE = 16
 
 
@@ -42,7 +44,25 @@ def _numpy_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int) -> dict
     for i in range(decode_tokens):
         logits = model.forward(cache, BLOCK_SIZE, [int(np.argmax(logits))], 128 + i, list(range(blocks)), 128)
     out["decode"] = decode_tokens / (time.perf_counter() - begin)
+    out["decode_batch"] = _numpy_batch_decode(model, rng, decode_tokens)
     return out
+
+
+def _numpy_batch_decode(model: Any, rng: np.random.Generator, decode_tokens: int) -> float:
+    from kvferry.engine.model import SeqChunk
+
+    blocks = -(-(128 + decode_tokens) // BLOCK_SIZE)
+    cache = model.allocate_kv_cache(model.kv_cache_spec(blocks * DECODE_BATCH, BLOCK_SIZE))
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(DECODE_BATCH)]
+    last = []
+    for table in tables:
+        logits = model.forward(cache, BLOCK_SIZE, rng.integers(100, 40000, 128).tolist(), 0, table, 128)
+        last.append(int(np.argmax(logits)))
+    begin = time.perf_counter()
+    for i in range(decode_tokens):
+        chunks = [SeqChunk([token], 128 + i, table, 128) for token, table in zip(last, tables, strict=True)]
+        last = [int(np.argmax(logits)) for logits in model.forward_batch(cache, BLOCK_SIZE, chunks)]
+    return DECODE_BATCH * decode_tokens / (time.perf_counter() - begin)
 
 
 def _transformers_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int, threads: int) -> dict[str, float]:
@@ -70,6 +90,14 @@ def _transformers_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int, 
             result = model(token, past_key_values=past, use_cache=True)
             past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
         out["decode"] = decode_tokens / (time.perf_counter() - begin)
+        ids = torch.tensor([rng.integers(100, 40000, 128).tolist() for _ in range(DECODE_BATCH)])
+        result = model(ids, use_cache=True)
+        past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
+        begin = time.perf_counter()
+        for _ in range(decode_tokens):
+            result = model(token, past_key_values=past, use_cache=True)
+            past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
+        out["decode_batch"] = DECODE_BATCH * decode_tokens / (time.perf_counter() - begin)
     return out
 
 
@@ -87,7 +115,7 @@ def run(json_path: str | None, quick: bool = False, model: str = "smollm2") -> l
     for key, value in ours.items():
         other = None if theirs is None else theirs[key]
         rows.append({
-            "what": key.replace("_", " ") + (" tokens" if key != "decode" else f" (batch 1, {decode_tokens} tokens)"),
+            "what": _label(key, decode_tokens),
             "numpy tok/s": round(value, 1),
             "transformers tok/s": None if other is None else round(other, 1),
             "ratio": None if other is None else round(value / other, 2),
@@ -95,3 +123,11 @@ def run(json_path: str | None, quick: bool = False, model: str = "smollm2") -> l
         })  # fmt: skip
     report(f"kvferry bench model: {model}, numpy engine vs transformers (float32, CPU)", rows, json_path)
     return rows
+
+
+def _label(key: str, decode_tokens: int) -> str:
+    if key == "decode":
+        return f"decode (batch 1, {decode_tokens} tokens)"
+    if key == "decode_batch":
+        return f"decode (batch {DECODE_BATCH}, {decode_tokens} steps, aggregate)"
+    return key.replace("_", " ") + " tokens"
