@@ -206,7 +206,10 @@ def run(
     """Measure, print the table (and write --json); `plan` ((prompt tokens, reps), ...) overrides the
     default plan (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
-    pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    # D waits for P's prefill as long as the client does: an 8k prefill took over 20 s (the harness's
+    # default deadline) on a shared 2-core box at load 20-30.
+    pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                 kv_load_deadline=REQUEST_TIMEOUT_S))
     colocated: ManagedProcess | None = None
     try:
         port = free_port()
