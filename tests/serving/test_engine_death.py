@@ -39,14 +39,14 @@ def _post(client: TestClient, results: list[Any], **body: Any) -> None:
 @pytest.mark.timeout(60)
 def test_dead_engine_thread_fails_in_flight_and_new_requests(engine: Engine) -> None:
     entered, release = threading.Event(), threading.Event()
-    forward = engine.model.forward
+    forward = engine.model.forward_batch
 
     def dying_forward(*args: Any, **kwargs: Any) -> Any:
         entered.set()
         release.wait(30)
         raise RuntimeError("simulated engine bug")
 
-    engine.model.forward = dying_forward  # type: ignore[method-assign]
+    engine.model.forward_batch = dying_forward  # type: ignore[method-assign]
     with TestClient(build_app(engine)) as client:
         in_flight: list[Any] = []
         streaming: list[Any] = []
@@ -70,7 +70,7 @@ def test_dead_engine_thread_fails_in_flight_and_new_requests(engine: Engine) -> 
         wait_until(lambda: engine.fatal_error is not None, 10, "engine marked dead")
         health = client.get("/health")
         assert health.status_code == 503 and "simulated engine bug" in health.json()["error"]
-        engine.model.forward = forward  # type: ignore[method-assign]
+        engine.model.forward_batch = forward  # type: ignore[method-assign]
         for stream in (False, True):
             started = time.monotonic()
             late: list[Any] = []
@@ -87,7 +87,7 @@ def test_dead_engine_thread_fails_in_flight_and_new_requests(engine: Engine) -> 
 
 
 def test_submit_after_death_raises_and_never_strands_a_sink(engine: Engine) -> None:
-    engine.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # type: ignore[method-assign]
+    engine.model.forward_batch = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # type: ignore[method-assign]
     outputs: list[Any] = []
     engine.submit(Request("r1", list(range(5, 40)), SamplingParams(4), None, time.time()), outputs.append)
     wait_until(lambda: outputs, 10, "in-flight request failed")
@@ -102,14 +102,14 @@ def test_submit_after_death_raises_and_never_strands_a_sink(engine: Engine) -> N
 @pytest.mark.timeout(60)
 def test_debug_state_during_a_long_step_is_never_5xx(engine: Engine) -> None:
     entered, release = threading.Event(), threading.Event()
-    forward = engine.model.forward
+    forward = engine.model.forward_batch
 
     def slow_forward(*args: Any, **kwargs: Any) -> Any:
         entered.set()
         release.wait(30)
         return forward(*args, **kwargs)
 
-    engine.model.forward = slow_forward  # type: ignore[method-assign]
+    engine.model.forward_batch = slow_forward  # type: ignore[method-assign]
     with TestClient(build_app(engine)) as client:
         results: list[Any] = []
         t = threading.Thread(target=_post, args=(client, results))
