@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -98,15 +99,7 @@ class GrantTable:
         self._grants: dict[str, Grant] = {}
 
     def open(self, ranges: Sequence[ByteRange]) -> str:
-        spans: list[Span] = []
-        for r in ranges:
-            region = self._regions.get(r.region)
-            if region is None:
-                raise TransferError(TransferErrorCause.INVALID, f"grant on unknown region {r.region!r}")
-            if r.offset < 0 or r.length < 0 or r.end > region.size:
-                raise TransferError(TransferErrorCause.INVALID, f"grant range {r} outside its region")
-            if r.length:
-                spans.append((r.region, r.offset, r.end))
+        spans = grant_spans(self._regions, ranges)
         token = secrets.token_hex(16)
         with self._lock:
             self._grants[token] = Grant(token, merge_spans(spans))
@@ -146,3 +139,17 @@ class GrantTable:
         for g in grants:
             with g.lock:
                 g.open = False
+
+
+def grant_spans(regions: Any, ranges: Sequence[ByteRange]) -> list[Span]:
+    """The non-empty `ranges` as spans, each checked against its registered region (`regions.get`)."""
+    spans: list[Span] = []
+    for r in ranges:
+        region = regions.get(r.region)
+        if region is None:
+            raise TransferError(TransferErrorCause.INVALID, f"grant on unknown region {r.region!r}")
+        if r.offset < 0 or r.length < 0 or r.end > region.size:
+            raise TransferError(TransferErrorCause.INVALID, f"grant range {r} outside its region")
+        if r.length:
+            spans.append((r.region, r.offset, r.end))
+    return spans

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvferry.transfer import nixl_wire as nw
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause
-from kvferry.transfer.grants import Span, merge_spans
+from kvferry.transfer.grants import Span, grant_spans, merge_spans
 from kvferry.transfer.nixl_regions import NixlRegions, Peers
 
 log = logging.getLogger(__name__)
@@ -89,16 +89,7 @@ class Receiver:
 
     # ---- grants -----------------------------------------------------------------------------------
     def open(self, ranges: Sequence[ByteRange]) -> str:
-        spans: list[Span] = []
-        for r in ranges:
-            region = self._regions.get(r.region)
-            if region is None:
-                raise TransferError(E.INVALID, f"grant on unknown region {r.region!r}")
-            if r.offset < 0 or r.length < 0 or r.end > region.size:
-                raise TransferError(E.INVALID, f"grant range {r} outside its region")
-            if r.length:
-                spans.append((r.region, r.offset, r.end))
-        merged = merge_spans(spans)
+        merged = merge_spans(grant_spans(self._regions, ranges))
         names = list(dict.fromkeys(s[0] for s in merged))
         infos = []
         for name in names:
