@@ -82,22 +82,15 @@ def _transformers_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int, 
             begin = time.perf_counter()
             model(ids, use_cache=True)
             out[f"prefill_{n}"] = n / (time.perf_counter() - begin)
-        ids = torch.tensor([rng.integers(100, 40000, 128).tolist()])
-        result = model(ids, use_cache=True)
-        past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
-        begin = time.perf_counter()
-        for _ in range(decode_tokens):
-            result = model(token, past_key_values=past, use_cache=True)
+        for key, batch in (("decode", 1), ("decode_batch", DECODE_BATCH)):
+            ids = torch.tensor([rng.integers(100, 40000, 128).tolist() for _ in range(batch)])
+            result = model(ids, use_cache=True)
             past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
-        out["decode"] = decode_tokens / (time.perf_counter() - begin)
-        ids = torch.tensor([rng.integers(100, 40000, 128).tolist() for _ in range(DECODE_BATCH)])
-        result = model(ids, use_cache=True)
-        past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
-        begin = time.perf_counter()
-        for _ in range(decode_tokens):
-            result = model(token, past_key_values=past, use_cache=True)
-            past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
-        out["decode_batch"] = DECODE_BATCH * decode_tokens / (time.perf_counter() - begin)
+            begin = time.perf_counter()
+            for _ in range(decode_tokens):
+                result = model(token, past_key_values=past, use_cache=True)
+                past, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
+            out[key] = batch * decode_tokens / (time.perf_counter() - begin)
     return out
 
 
