@@ -63,7 +63,9 @@ def test_fault_kinds_over_nixl(policy: str) -> None:
     args = (*NIXL, "--faults", FAULTS, "--kv-load-failure-policy", policy, "--abort-timeout", "3")
     seen: set[str | None] = set()
     with pd_system(p_args=args, d_args=args) as (p, d, proxy):
-        for i in range(10):
+        for i in range(40):  # the proxy's transfer ids pick the faults: go on until both kinds came
+            if i >= 10 and {"transport", "corrupt"} <= seen:
+                break
             n_blocks = 2 + i % 4
             ids = prompt(n_blocks * BS, 50 + i)
             r = complete(proxy.url, ids)
