@@ -742,6 +742,7 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
     faults = QUICK_FAULTS if quick else FAULT_KEYS
     if os.environ.get("KVFERRY_BENCH_FAULTS"):  # a subset, e.g. `corrupt` (the first server start is always paid)
         faults = tuple(f for f in FAULT_KEYS if f in os.environ["KVFERRY_BENCH_FAULTS"].split(","))
+    connectors = tuple(c for c in CONNECTORS if c in os.environ.get("KVFERRY_BENCH_CONNECTORS", c).split(","))
     began = time.monotonic()
 
     def log(line: str) -> None:
@@ -758,7 +759,7 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
             subprocess.run([sys.executable, "-m", "kvferry", "model", "export", "smollm2", model_dir], check=True,
                            stdout=subprocess.DEVNULL)
             with inside(net["client"].ns):  # this thread's (and its pools') sockets live on the client host
-                for kind in CONNECTORS:
+                for kind in connectors:
                     cells += run_connector(kind, net, str(vllm), model_dir, Path(tmp), faults, caps, log)
     finally:
         net.close()
