@@ -226,6 +226,16 @@ def test_deadline_bounds_the_whole_load() -> None:
         rig.ranks[0].reply(identity, pull, Status.CONTINUE)  # alive, but never finishes
         rig.wait_finished("r")
         assert rig.causes["r"][0] == "deadline" and rig.invalid == set(D_BLOCKS)
+        assert "P rank 0: writing for" in rig.causes["r"][1]  # the message names where it stalled
+
+
+def test_deadline_names_a_pull_p_never_answered() -> None:
+    with make_rig(recv_timeout_s=30.0, kv_load_deadline_s=0.3) as rig:
+        rig.pull("r", D_BLOCKS)
+        rig.ranks[0].recv_pull()  # received, never answered
+        rig.wait_finished("r")
+        assert rig.causes["r"][0] == "deadline"
+        assert "P rank 0: pull not answered" in rig.causes["r"][1]
 
 
 def test_bootstrap_outside_the_allow_list_is_never_asked(rig: Rig) -> None:

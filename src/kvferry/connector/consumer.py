@@ -139,7 +139,7 @@ class Consumer:
                 await self._await_replies(pull)
         except TimeoutError:
             self._handle_failed_recv(
-                [pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s"
+                [pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s ({self._stage(pull)})"
             )
         except BootstrapError as exc:
             self._handle_failed_recv([pull], "bootstrap", str(exc))
@@ -229,6 +229,25 @@ class Consumer:
                 return
             for future in done:
                 self._on_response(pull, waiting.pop(future), future.result())
+
+    def _stage(self, pull: PullMeta) -> str:
+        """Where a pull stands, for the deadline's message: a stall names its stage, not just its age."""
+        if not pull.tasks:
+            return f"P's bootstrap server at {pull.spec.bootstrap_addr} never answered"
+        now, key, stages = self.loop.time(), (pull.spec.transfer_id, pull.request_id), []
+        for t in pull.tasks:
+            dealer = self._dealers.get((t.d_rank, t.control_addr))
+            if t.done:
+                stages.append(f"P rank {t.p_rank}: done")
+            elif dealer is None:
+                stages.append(f"P rank {t.p_rank}: no connection")
+            elif key in dealer.writing_since:
+                stages.append(f"P rank {t.p_rank}: writing for {now - dealer.writing_since[key]:.1f}s")
+            elif key[0] in dealer.working_seen:
+                stages.append(f"P rank {t.p_rank}: still prefilling")
+            else:
+                stages.append(f"P rank {t.p_rank}: pull not answered, P last heard {now - dealer.last_seen:.1f}s ago")
+        return "; ".join(stages)
 
     def _p_working_since(self, pull: PullMeta) -> float | None:
         """When a P rank last said it is still working on this pull's transfer (None: never)."""
