@@ -5,12 +5,19 @@ Both sides use the same thread count (`--blas-threads`, default 1: kvferry's det
 count everywhere). Prefill: one prompt of N tokens, one call. Decode: 32 tokens at batch 1, greedy,
 after a 128-token prompt, then 32 steps of 8 sequences decoding together (numpy: one `forward_batch`
 per step, as the engine runs them; transformers: a batch of 8 equal-length prompts).
+
+What batch invariance costs: the batch-8 decode again with every generated row's linear layers as one
+plain matrix product of the whole batch (`x @ W.T`, what a batched engine would do), beside ours, and
+whether a sequence's logits in that batch are still the bits it gets alone (OpenBLAS picks its kernel by
+the product's height, so they are not: that is why the engine does not do it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,11 +51,29 @@ def _numpy_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int) -> dict
     for i in range(decode_tokens):
         logits = model.forward(cache, BLOCK_SIZE, [int(np.argmax(logits))], 128 + i, list(range(blocks)), 128)
     out["decode"] = decode_tokens / (time.perf_counter() - begin)
-    out["decode_batch"] = _numpy_batch_decode(model, rng, decode_tokens)
+    out["decode_batch"] = _numpy_batch_decode(model, np.random.default_rng(1), decode_tokens)[0]
+    with _plain_matmul():
+        out["decode_batch_plain"], alike = _numpy_batch_decode(model, np.random.default_rng(1), decode_tokens)
+    out["plain_bits_alike"] = float(alike)
     return out
 
 
-def _numpy_batch_decode(model: Any, rng: np.random.Generator, decode_tokens: int) -> float:
+@contextlib.contextmanager
+def _plain_matmul() -> Iterator[None]:
+    """Generated rows meet every weight in one plain `x @ W.T` of the whole batch (not batch-invariant)."""
+    from kvferry.engine.model_math import RowWeight
+
+    invariant = RowWeight.apply
+    RowWeight.apply = lambda self, x: x @ self.weight.T  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        RowWeight.apply = invariant  # type: ignore[method-assign]
+
+
+def _numpy_batch_decode(model: Any, rng: np.random.Generator, decode_tokens: int) -> tuple[float, bool]:
+    """Aggregate tok/s of DECODE_BATCH sequences decoding together, and whether the first one's last
+    logits are the bits it gets decoding alone."""
     from kvferry.engine.model import SeqChunk
 
     blocks = -(-(128 + decode_tokens) // BLOCK_SIZE)
@@ -58,11 +83,19 @@ def _numpy_batch_decode(model: Any, rng: np.random.Generator, decode_tokens: int
     for table in tables:
         logits = model.forward(cache, BLOCK_SIZE, rng.integers(100, 40000, 128).tolist(), 0, table, 128)
         last.append(int(np.argmax(logits)))
+    first_alone = last[0]
     begin = time.perf_counter()
     for i in range(decode_tokens):
         chunks = [SeqChunk([token], 128 + i, table, 128) for token, table in zip(last, tables, strict=True)]
-        last = [int(np.argmax(logits)) for logits in model.forward_batch(cache, BLOCK_SIZE, chunks)]
-    return DECODE_BATCH * decode_tokens / (time.perf_counter() - begin)
+        batch_logits = model.forward_batch(cache, BLOCK_SIZE, chunks)
+        last = [int(np.argmax(logits)) for logits in batch_logits]
+    elapsed = time.perf_counter() - begin
+    # Replay the first sequence alone over the same cache: its own K/V were written by the batch.
+    alone = first_alone
+    for i in range(decode_tokens):
+        logits = model.forward(cache, BLOCK_SIZE, [alone], 128 + i, tables[0], 128)
+        alone = int(np.argmax(logits))
+    return DECODE_BATCH * decode_tokens / elapsed, bool(np.array_equal(logits, batch_logits[0]))
 
 
 def _transformers_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int, threads: int) -> dict[str, float]:
@@ -104,11 +137,12 @@ def run(json_path: str | None, quick: bool = False, model: str = "smollm2") -> l
     except ImportError as exc:
         print(f"kvferry bench model: transformers side skipped ({exc.name} not installed: pip install torch==2.13.0 transformers)")
         theirs = None
+    plain_alike = bool(ours.pop("plain_bits_alike"))
     rows = []
     for key, value in ours.items():
-        other = None if theirs is None else theirs[key]
+        other = None if theirs is None else theirs.get(key)
         rows.append({
-            "what": _label(key, decode_tokens),
+            "what": _label(key, decode_tokens, plain_alike),
             "numpy tok/s": round(value, 1),
             "transformers tok/s": None if other is None else round(other, 1),
             "ratio": None if other is None else round(value / other, 2),
@@ -118,7 +152,10 @@ def run(json_path: str | None, quick: bool = False, model: str = "smollm2") -> l
     return rows
 
 
-def _label(key: str, decode_tokens: int) -> str:
+def _label(key: str, decode_tokens: int, plain_alike: bool) -> str:
+    if key == "decode_batch_plain":
+        alike = "same bits as alone" if plain_alike else "NOT the bits it gets alone"
+        return f"decode (batch {DECODE_BATCH}, plain x @ W.T per step: {alike})"
     if key == "decode":
         return f"decode (batch 1, {decode_tokens} tokens)"
     if key == "decode_batch":
