@@ -91,6 +91,23 @@ def test_row_ops_are_row_invariant(shape: tuple[int, int]) -> None:
         assert [op[at].tobytes() for op in ops(x)] == alone, (shape, m, at)
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (259, 256)])
+def test_tile_products_are_tile_invariant(shape: tuple[int, int]) -> None:
+    """The property the prompt-tile path rests on: a tile's product with a weight is the same bits whatever
+    the other tiles of the call hold, how many there are (1..40) and where the tile sits."""
+    rng = np.random.default_rng(shape[1])
+    weight = RowWeight(rng.standard_normal(shape, dtype=np.float32))
+    tile = rng.standard_normal((BS, shape[1]), dtype=np.float32)
+    tile[:5] = 0.0  # a partial tile, as the first block of a chunk that starts mid-block
+    alone = weight.apply_tiles(tile[None])[0]
+    assert np.allclose(alone, tile @ weight.weight.T, rtol=1e-4, atol=1e-4)
+    for count in (2, 3, 8, 17, 40):
+        tiles = rng.standard_normal((count, BS, shape[1]), dtype=np.float32)
+        at = int(rng.integers(0, count))
+        tiles[at] = tile
+        assert weight.apply_tiles(tiles)[at].tobytes() == alone.tobytes(), (shape, count, at)
+
+
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     target_len=st.integers(1, 70),

@@ -9,10 +9,11 @@ Bit-identity by construction: every numpy operation that touches position p has 
 shapes and strides depend only on p and on whether p is a prompt position or a generated one
 (`prompt_len`), never on the other positions or sequences of the call:
   * prompt positions run on fixed `[block_size, hidden]` tiles, position p at row `p % block_size`,
-    unused rows zero: norms, a matrix product per linear layer (prefill speed), and attention of block
-    b over exactly `(b + 1) * block_size` keys/values gathered into a per-thread buffer of fixed
-    capacity; keys after the chunk's prompt positions are zero and masked, so stale cache contents and
-    later positions never matter;
+    unused rows zero: row-wise norms, one matrix product per tile and per fixed weight panel for each
+    linear layer (prefill speed; panels outermost, so a panel is read from memory once for all the
+    call's tiles of all sequences), and attention of block b over exactly `(b + 1) * block_size`
+    keys/values gathered into a per-thread buffer of fixed capacity; keys after the chunk's prompt
+    positions are zero and masked, so stale cache contents and later positions never matter;
   * generated positions (decoded tokens, or recomputed ones) of ALL sequences of the call are rows of
     one array (rows.py): row-wise norms and activations, one vector-matrix product per row and per
     fixed weight panel (each weight read from memory once per step for all rows, and one row alone
@@ -181,10 +182,11 @@ class TinyLlama:
         logits (None where `want_logits` is False). Each sequence gets the bits it would get alone."""
         seqs = [self._prepare(kv_cache, block_size, chunk) for chunk in chunks]
         rows = self._generated_rows(seqs, block_size)
+        prompts = [seq.prompt for seq in seqs if seq.prompt.live]
+        tiles = PromptTiles.stack(prompts)
         for layer_index in range(len(self.layers)):
-            for seq in seqs:
-                if seq.prompt.live:
-                    prompt_layer(self, kv_cache, block_size, layer_index, seq.prompt)
+            if prompts:
+                prompt_layer(self, kv_cache, block_size, layer_index, prompts, tiles)
             if len(rows.hidden):
                 layer_step(self, kv_cache, block_size, layer_index, rows)
 

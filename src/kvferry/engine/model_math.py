@@ -61,6 +61,20 @@ class RowWeight:
         return out
 
 
+    def apply_tiles(self, x: FloatArray) -> FloatArray:
+        """`x @ weight.T` for prompt tiles `x` `[T, block_size, in]`: each tile times each panel is its own
+        matrix product of one fixed shape, panels outermost, so a tile's result is the same bits whatever
+        the other tiles, and a panel is read from memory once for all the step's tiles."""
+        tiles, block_size, _ = x.shape
+        out = np.empty((tiles, block_size, self.weight.shape[0]), dtype=np.float32)
+        columns = x.transpose(0, 2, 1)  # [T, in, block_size]
+        by_panel = self._panels @ columns[None]  # [P, T, rows, block_size]
+        out[:, :, : self.split] = by_panel.transpose(1, 3, 0, 2).reshape(tiles, block_size, self.split)
+        if len(self._rest):
+            out[:, :, self.split :] = (self._rest[None] @ columns).transpose(0, 2, 1)
+        return out
+
+
 def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
     """RMSNorm of each row of `x` (a C-contiguous `[rows, hidden]`): a row's bits depend on that row only."""
     mean_square = np.mean(x * x, axis=-1, keepdims=True)

@@ -1,9 +1,10 @@
-"""Prompt positions of one sequence of a forward call, on fixed `[block_size, hidden]` tiles.
+"""Prompt positions of the sequences of a forward call, on fixed `[block_size, hidden]` tiles.
 
 Position p sits at row `p % block_size` of the tile of its block, unused rows zero. Norms and
-activations run on the whole tile, each linear layer is one `[block_size, in]` x `[in, out]` matrix
-product (prefill speed; a row's bits do not depend on the other rows of a fixed-shape product), and
-attention of block b reads exactly `(b + 1) * block_size` keys/values from a per-thread buffer of fixed
+activations are row-wise; each linear layer is, for every tile, one `[panel rows, in]` x `[in, block_size]`
+matrix product per fixed panel of the weight, panels outermost (`RowWeight.apply_tiles`: prefill speed,
+the weight read once for all tiles of the call, and a row's bits never depend on the other rows or tiles
+of a fixed-shape product), and attention of block b reads exactly `(b + 1) * block_size` keys/values from a per-thread buffer of fixed
 capacity, with keys after the call's last prompt position zeroed and masked: stale cache contents and
 the generated positions after a prompt never change a prompt position's bits.
 """
@@ -19,7 +20,7 @@ import numpy.typing as npt
 from kvferry.engine.model_math import FloatArray, TileRows, future_mask, rms_norm, rope, swiglu
 
 if TYPE_CHECKING:
-    from kvferry.engine.model import LayerWeights, TinyLlama
+    from kvferry.engine.model import TinyLlama
 
 
 @dataclass
@@ -48,41 +49,64 @@ class PromptTiles:
             live.append(TileRows(lo=lo, split=hi, hi=hi))
         return cls(start, end, table, tiles, live)
 
+    @staticmethod
+    def stack(prompts: list[PromptTiles]) -> FloatArray:
+        """The tiles of all `prompts` in one `[T, block_size, hidden]` array; each one's `tiles` becomes a view of it."""
+        if not prompts:
+            return np.zeros((0, 0, 0), np.float32)
+        stacked = np.concatenate([p.tiles for p in prompts])
+        first = 0
+        for p in prompts:
+            p.tiles = stacked[first : first + len(p.tiles)]
+            first += len(p.tiles)
+        return stacked
+
     def last_row(self, block_size: int) -> FloatArray:
         row: FloatArray = self.tiles[-1][(self.end - 1) % block_size]
         return row
 
 
-def prompt_layer(model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, seq: PromptTiles) -> None:
-    """One layer on a sequence's prompt tiles (in place); writes their K/V into the cache."""
-    weights, first_block = model.layers[layer_index], seq.start // block_size
+def prompt_layer(
+    model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, seqs: list[PromptTiles], tiles: FloatArray
+) -> None:
+    """One layer on the prompt tiles of every sequence of the call (in place); writes their K/V into the cache.
+
+    `tiles` `[T, block_size, hidden]` holds all of them (each sequence's `tiles` is a view of it): every
+    linear layer meets all tiles at once (`RowWeight.apply_tiles`), attention runs tile by tile in order."""
+    cfg, weights, lin = model.config, model.layers[layer_index], model.row_layers[layer_index]
+    rows = tiles.reshape(-1, cfg.hidden_size)  # row-wise ops see rows of one 2-D array, as the generated rows do
+    qkv = lin.qkv.apply_tiles(rms_norm(rows, weights.attn_norm, cfg.rms_eps).reshape(tiles.shape))
+    attended = np.empty((len(tiles), block_size, cfg.num_heads * cfg.head_dim), dtype=np.float32)
+    first_tile = 0
+    for seq in seqs:
+        _sequence_attention(model, kv_cache, block_size, layer_index, seq, qkv[first_tile:], attended[first_tile:])
+        first_tile += len(seq.live)
+    tiles += lin.o_proj.apply_tiles(attended)
+    gate_up = lin.gate_up.apply_tiles(rms_norm(rows, weights.mlp_norm, cfg.rms_eps).reshape(tiles.shape))
+    tiles += lin.down.apply_tiles(swiglu(gate_up.reshape(len(rows), -1), cfg.ffn_size).reshape(*tiles.shape[:2], -1))
+
+
+def _sequence_attention(model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, seq: PromptTiles,
+                        qkv: FloatArray, attended: FloatArray) -> None:
+    """Attention of one sequence's tiles (their `qkv` in order), into `attended`; fills their K/V in the cache."""
+    first_block = seq.start // block_size
     kv = model.scratch_kv(block_size)
     # Whole blocks are loaded; their slots from start on are overwritten or zeroed below.
     model.load_cached_kv(kv, kv_cache[seq.table[: -(-seq.start // block_size)], layer_index])
     kv[:, :, seq.end : (first_block + len(seq.live)) * block_size] = 0.0
     for tile_index, live in enumerate(seq.live):
         block = first_block + tile_index
-        x = seq.tiles[tile_index]
-        x += _attention(model, x, weights, kv, block, live, block_size)
+        attended[tile_index] = _attention(model, qkv[tile_index], kv, block, live, block_size)
         new_positions = slice(block * block_size + live.lo, block * block_size + live.hi)
         kv_cache[seq.table[block], layer_index, :, :, live.lo : live.hi] = kv[:, :, new_positions]
-        gate_up = _tile_linear(rms_norm(x, weights.mlp_norm, model.config.rms_eps), weights.gate_up)
-        x += _tile_linear(swiglu(gate_up, model.config.ffn_size), weights.down)
 
 
-def _tile_linear(x: FloatArray, weight: FloatArray) -> FloatArray:
-    """`x @ weight.T` for a whole `[block_size, in]` tile: one matrix product of a fixed shape."""
-    return np.ascontiguousarray((weight @ x.T).T)
-
-
-def _attention(
-    model: TinyLlama, x: FloatArray, w: LayerWeights, kv: FloatArray, block: int, rows: TileRows, block_size: int
-) -> FloatArray:
-    """Attention output for the tile of `block`; also fills its live rows in `kv`."""
+def _attention(model: TinyLlama, qkv: FloatArray, kv: FloatArray, block: int, rows: TileRows,
+               block_size: int) -> FloatArray:
+    """Attention output (before o_proj) of the tile of `block` from its `qkv`; also fills its live rows in `kv`."""
     cfg = model.config
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group = heads // kv_heads
-    qkv = _tile_linear(rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv)
     q = qkv[:, : heads * head_dim].reshape(block_size, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(block_size, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim :].reshape(block_size, kv_heads, head_dim)
@@ -106,4 +130,4 @@ def _attention(
     denominators = scores.sum(axis=-1, keepdims=True)
     out = (scores @ values) / denominators  # [kv_heads, group * block_size, head_dim]
     out = out.reshape(kv_heads, group, block_size, head_dim).transpose(2, 0, 1, 3)
-    return _tile_linear(np.ascontiguousarray(out).reshape(block_size, heads * head_dim), w.o_proj)
+    return np.ascontiguousarray(out).reshape(block_size, heads * head_dim)
