@@ -60,7 +60,6 @@ class RowWeight:
             out[:, self.split :] = (self._rest[None] @ x[:, :, None])[..., 0]
         return out
 
-
     def apply_tiles(self, x: FloatArray) -> FloatArray:
         """`x @ weight.T` for prompt tiles `x` `[T, block_size, in]`: each tile times each panel is its own
         matrix product of one fixed shape, panels outermost, so a tile's result is the same bits whatever

@@ -1,12 +1,13 @@
 """Prompt positions of the sequences of a forward call, on fixed `[block_size, hidden]` tiles.
 
 Position p sits at row `p % block_size` of the tile of its block, unused rows zero. Norms and
-activations are row-wise; each linear layer is, for every tile, one `[panel rows, in]` x `[in, block_size]`
-matrix product per fixed panel of the weight, panels outermost (`RowWeight.apply_tiles`: prefill speed,
-the weight read once for all tiles of the call, and a row's bits never depend on the other rows or tiles
-of a fixed-shape product), and attention of block b reads exactly `(b + 1) * block_size` keys/values from a per-thread buffer of fixed
-capacity, with keys after the call's last prompt position zeroed and masked: stale cache contents and
-the generated positions after a prompt never change a prompt position's bits.
+activations are row-wise; each linear layer is, for every tile, one `[panel rows, in]` x
+`[in, block_size]` matrix product per fixed panel of the weight, panels outermost
+(`RowWeight.apply_tiles`: prefill speed, the weight read once for all tiles of the call, and a row's
+bits never depend on the other rows or tiles of a fixed-shape product); attention of block b reads
+exactly `(b + 1) * block_size` keys/values from a per-thread buffer of fixed capacity, with keys after
+the call's last prompt position zeroed and masked: stale cache contents and the generated positions
+after a prompt never change a prompt position's bits.
 """
 
 from __future__ import annotations
