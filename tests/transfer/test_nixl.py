@@ -87,7 +87,7 @@ def test_random_layouts_are_byte_exact_and_written_is_exact(
     assert landed == set(merged)
 
 
-def test_chunks_before_a_refused_one_count_and_nothing_outside_lands(engines: Make) -> None:
+def test_a_refused_chunk_fails_the_write_counts_only_what_landed_and_nothing_outside_lands(engines: Make) -> None:
     a, b = engines(), engines()
     src, dst = pattern(16 * MiB, 2), np.zeros(16 * MiB, np.uint8)
     a.register("src", src)
@@ -95,9 +95,14 @@ def test_chunks_before_a_refused_one_count_and_nothing_outside_lands(engines: Ma
     token = b.open_grant([ByteRange("dst", 0, 8 * MiB)])
     ops = [WriteOp("src", 0, "dst", 0, CHUNK_BYTES), WriteOp("src", 0, "dst", 12 * MiB, 1)]  # 2nd outside
     _fails(E.REJECTED, lambda: a.write(b.address, token, ops, time.monotonic() + 10))
-    assert b.written(token) == [ByteRange("dst", 0, CHUNK_BYTES)]
+    # D posts the reads of a write's chunks together: the refusal of chunk 2 can reach P while chunk 1's read
+    # is still in flight, and P's CANCEL then voids it. So chunk 1 counts iff its read finished first; either
+    # way what D counts is exactly what landed (close_grant is the fence), and nothing outside the grant lands.
+    landed = b.close_grant(token)
+    assert landed in ([], [ByteRange("dst", 0, CHUNK_BYTES)]), landed
     assert not dst[12 * MiB :].any() and b.stats["rejected_writes"] == 1
-    assert np.array_equal(dst[:CHUNK_BYTES], src[:CHUNK_BYTES])
+    if landed:
+        assert np.array_equal(dst[:CHUNK_BYTES], src[:CHUNK_BYTES])
 
 
 def test_write_after_close_is_refused_and_lands_nothing(engines: Make) -> None:
