@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from kvferry.connector.auth import deployment_secret, is_loopback
 from kvferry.connector.base import ConnectorRole, KVConnector
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
+from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.pd import PDConfig, PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
@@ -90,7 +90,7 @@ def _check_nixl(args: argparse.Namespace) -> bool:
     unless --insecure (docs/security.md)."""
     if args.transfer != "nixl" or args.role == "both":
         return True
-    from kvferry.transfer import nixl_api
+    from kvferry.transfer.nixl import api as nixl_api
 
     if not nixl_api.available():
         print(f"kvferry serve: --transfer nixl: nixl is not installed ({nixl_api.INSTALL_HINT}): "

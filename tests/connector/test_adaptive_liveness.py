@@ -15,14 +15,14 @@ import pytest
 from test_consumer_spine import D_BLOCKS, ENGINE_ID, P_BLOCKS, SPEC, FakePRank, Rig, make_rig
 
 from kvferry.connector.bootstrap import BootstrapServer, Registration
-from kvferry.connector.consumer import Consumer
+from kvferry.connector.decode.consumer import Consumer
+from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import PagedKVLayout
 from kvferry.connector.messages import Heartbeat, HeartbeatAck, PullRequest, Release, Status, encode
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.producer import Producer
-from kvferry.connector.pulls import ConsumerConfig, PullSpec
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.connector.prefill.producer import Producer
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 from procs import free_port, wait_until
 
 INTERVAL, FLOOR = 0.1, 0.5  # D heartbeats every 0.1 s; an idle P is dead after 0.5 s of silence

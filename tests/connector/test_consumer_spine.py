@@ -18,12 +18,12 @@ import zmq
 from kvferry.connector.auth import TO_DECODE, TO_PREFILL, Opener, Sealer
 from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
-from kvferry.connector.consumer import Consumer
+from kvferry.connector.decode.consumer import Consumer
+from kvferry.connector.decode.pulls import ConsumerConfig, PullMeta, PullSpec
 from kvferry.connector.layout import PagedKVLayout, overlap, write_ops
 from kvferry.connector.messages import PullRequest, PullResponse, Status, decode_inbound, encode
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pulls import ConsumerConfig, PullMeta, PullSpec
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 from procs import free_port
 
 SPEC = KVCacheSpec(num_blocks=32, num_layers=2, num_kv_heads=4, block_size=4, head_dim=8)

@@ -22,9 +22,9 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import PagedKVLayout
 from kvferry.connector.messages import MAX_FRAME_BYTES, PullRequest, Release, Status, decode_response, encode
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.producer import Producer
+from kvferry.connector.prefill.producer import Producer
 from kvferry.transfer.base import ByteRange
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 from procs import free_port
 from sealed import Sealed
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.connector.liveness import DelayEstimator
+from kvferry.connector.decode.liveness import DelayEstimator
 
 FLOOR, CEILING = 1.5, 10.0
 delays = st.lists(st.floats(0.0, 30.0, allow_nan=False), max_size=100)

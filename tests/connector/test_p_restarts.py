@@ -12,13 +12,13 @@ import numpy as np
 
 from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
-from kvferry.connector.consumer import Consumer
+from kvferry.connector.decode.consumer import Consumer
+from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import PagedKVLayout
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.producer import Producer
-from kvferry.connector.pulls import ConsumerConfig, PullSpec
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.connector.prefill.producer import Producer
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 from procs import free_port
 
 SPEC = KVCacheSpec(num_blocks=8, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8)

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvferry.connector.messages import PullRequest
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.transfers import TransferTable, Write
+from kvferry.connector.prefill.transfers import TransferTable, Write
 
 TIDS = ["t0", "t1", "t2"]
 WHO = [1, 2]  # two P requests may come under one transfer_id (a retried request): only one owns it

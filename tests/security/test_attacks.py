@@ -23,7 +23,7 @@ from kvferry.connector.messages import Heartbeat, PullRequest, Release, encode
 from kvferry.harness.processes import HARNESS_SECRET
 from kvferry.harness.sampler import wait_drained
 from kvferry.transfer.base import ByteRange
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 from procs import Proc, free_port, pd_system, wait_until
 from sealed import Sealed
 

@@ -4,8 +4,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvferry.transfer.peer import PeerProcess
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.harness.peer import PeerProcess
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 
 @pytest.fixture

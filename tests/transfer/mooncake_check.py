@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
+from kvferry.harness.netns import loopback_up
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.mooncake import MooncakeTransferEngine
-from kvferry.transfer.netns import loopback_up
 
 RECEIVER = """
 import json, sys, numpy as np

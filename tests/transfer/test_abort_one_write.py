@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvferry.transfer.base import TransferError, WriteOp
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 
 def test_abort_by_grant_cancels_only_that_write() -> None:

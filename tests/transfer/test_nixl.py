@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transfer_helpers import pattern, wait_for
 
-from kvferry.transfer import nixl_api
-from kvferry.transfer import nixl_wire as nw
+from kvferry.harness.peer import PeerProcess
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
-from kvferry.transfer.peer import PeerProcess
+from kvferry.transfer.nixl import api as nixl_api
+from kvferry.transfer.nixl import wire as nw
 
 if not nixl_api.available():
     pytest.skip(f"nixl not installed: {nixl_api.IMPORT_ERROR}", allow_module_level=True)
 
-from kvferry.transfer.nixl import CHUNK_BYTES, NixlTransferEngine  # noqa: E402
+from kvferry.transfer.nixl.engine import CHUNK_BYTES, NixlTransferEngine  # noqa: E402
 
 MiB = 1 << 20
 E = TransferErrorCause

@@ -7,14 +7,14 @@ import argparse
 import pytest
 
 from kvferry import cli
-from kvferry.transfer import nixl_api
 from kvferry.transfer.base import TransferError, TransferErrorCause
+from kvferry.transfer.nixl import api as nixl_api
 
 
 def test_engine_and_serve_say_how_to_install(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(nixl_api, "_api", None)
     monkeypatch.setattr(nixl_api, "IMPORT_ERROR", "No module named 'nixl'")
-    from kvferry.transfer.nixl import NixlTransferEngine, available
+    from kvferry.transfer.nixl.engine import NixlTransferEngine, available
 
     assert not available()
     with pytest.raises(TransferError) as info:

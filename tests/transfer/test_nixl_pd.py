@@ -13,7 +13,7 @@ import pytest
 from kvferry.connector.faults import FaultSpec
 from kvferry.engine.model import ModelConfig, TinyLlama
 from kvferry.engine.tokenizer import decode
-from kvferry.transfer import nixl_api
+from kvferry.transfer.nixl import api as nixl_api
 from procs import Proc, pd_system, wait_until
 
 if not nixl_api.available():

@@ -24,7 +24,7 @@ def test_memcpy_rounds_alternate_with_tcp() -> None:
 
 
 def test_nixl_rounds_alternate_with_memcpy_and_tcp() -> None:
-    from kvferry.transfer import nixl_api
+    from kvferry.transfer.nixl import api as nixl_api
 
     if not nixl_api.available():
         import pytest

@@ -23,10 +23,10 @@ from transfer_helpers import (
     wait_for,
 )
 
+from kvferry.harness.peer import PeerProcess
 from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
-from kvferry.transfer.peer import PeerProcess
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 MiB = 1 << 20
 E = TransferErrorCause

@@ -18,8 +18,8 @@ from transfer_helpers import parse, pattern, raw_session, read_hello, wait_for
 
 from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, WriteOp, covered
-from kvferry.transfer.tcp import TcpTransferEngine
-from kvferry.transfer.tcp_limits import Limits
+from kvferry.transfer.tcp.engine import TcpTransferEngine
+from kvferry.transfer.tcp.limits import Limits
 
 SIZE = 1 << 20
 FAST = Limits(handshake_timeout=0.3, idle_timeout=0.3, frame_timeout=0.2, max_ttl=0.2, ttl_grace=0.05)

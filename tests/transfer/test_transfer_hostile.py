@@ -23,10 +23,11 @@ from transfer_helpers import (
     wait_for,
 )
 
-from kvferry.transfer import tcp_client, wire
+from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, WriteOp
-from kvferry.transfer.tcp import TcpTransferEngine
-from kvferry.transfer.tcp_limits import Limits
+from kvferry.transfer.tcp import client as tcp_client
+from kvferry.transfer.tcp.engine import TcpTransferEngine
+from kvferry.transfer.tcp.limits import Limits
 
 MiB = 1 << 20
 Make = Callable[..., TcpTransferEngine]

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
+from kvferry.harness.netns import unshare_prefix  # noqa: E402
 from kvferry.transfer.mooncake import decode_token, encode_token  # noqa: E402
-from kvferry.transfer.netns import unshare_prefix  # noqa: E402
 
 
 def test_token_round_trip() -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transfer_helpers import pattern
 
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp, covered
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 MiB = 1 << 20
 Make = Callable[..., TcpTransferEngine]

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import numpy as np
 
 from kvferry.transfer import wire
-from kvferry.transfer.tcp_auth import Tags
-from kvferry.transfer.tcp_handshake import client_handshake
+from kvferry.transfer.tcp.auth import Tags
+from kvferry.transfer.tcp.handshake import client_handshake
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:

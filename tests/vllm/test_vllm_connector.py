@@ -526,7 +526,7 @@ def test_transfer_nixl_follows_serves_rules(monkeypatch: pytest.MonkeyPatch) -> 
     """"transfer": "nixl" as `kvferry serve --transfer nixl`: a clear error without nixl, and loopback
     unless "insecure" (docs/security.md), whatever the secret."""
     from kvferry.integrations.vllm import KVFerrySettings
-    from kvferry.transfer import nixl_api
+    from kvferry.transfer.nixl import api as nixl_api
 
     monkeypatch.setenv("KVFERRY_SECRET", "s3cret")
     if not nixl_api.available():

@@ -209,8 +209,8 @@ def pull_and_read_at_once(device: str) -> None:
     import uuid
 
     from kvferry.connector.base import ConnectorRole
+    from kvferry.connector.decode.pulls import PullSpec
     from kvferry.connector.pd import PDConfig, PDConnector, PDMetadata, SendSpec
-    from kvferry.connector.pulls import PullSpec
     from procs import free_port
 
     cuda = device == "cuda"

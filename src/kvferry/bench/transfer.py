@@ -2,7 +2,7 @@
 
 - memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit); its repetitions alternate with
   the TCP ones (same blocks), so the ratios compare runs made under the same load.
-- tcp: sender in this process, receiver in a subprocess (`kvferry.transfer.peer`), so the two sides
+- tcp: sender in this process, receiver in a subprocess (`kvferry.harness.peer`), so the two sides
   do not share a GIL; CPU time is the sum of both processes.
 - tcp+auth: the same with a shared secret (every message tagged and verified, see `transfer.mac`);
   its repetitions alternate with tcp's, so both see the same load; `x_tcp` is auth ÷ unauthenticated.
@@ -112,13 +112,13 @@ def bench_tcp_modes(
     """One sender engine and one receiver process per mode (name → secret or None; the modes in `nixl`
     use the NIXL engine); per case the modes' repetitions alternate (with `memcpy`, an in-process copy
     of the same blocks goes first in each round, as "memcpy"), so a noisy box loads them alike."""
+    from kvferry.harness.peer import PeerProcess
     from kvferry.transfer.base import TransferEngine
-    from kvferry.transfer.peer import PeerProcess
-    from kvferry.transfer.tcp import TcpTransferEngine
+    from kvferry.transfer.tcp.engine import TcpTransferEngine
 
     def engine_for(mode: str, secret: str | None) -> TransferEngine:
         if mode in nixl:
-            from kvferry.transfer.nixl import NixlTransferEngine
+            from kvferry.transfer.nixl.engine import NixlTransferEngine
 
             return NixlTransferEngine(secret=secret or b"")
         return TcpTransferEngine(secret=secret or b"")
@@ -171,8 +171,8 @@ def bench_tcp_modes(
 
 def _mooncake_worker(cfg: dict[str, Any]) -> list[Result]:
     """Runs inside the namespace: both Mooncake engines in this process."""
+    from kvferry.harness.netns import loopback_up
     from kvferry.transfer.mooncake import MooncakeTransferEngine
-    from kvferry.transfer.netns import loopback_up
 
     loopback_up()
     rng = np.random.default_rng(cfg["seed"])
@@ -208,8 +208,8 @@ def _mooncake_worker(cfg: dict[str, Any]) -> list[Result]:
 
 
 def bench_mooncake(cases: list[Case], reps: int, div: int, seed: int) -> tuple[list[Result] | None, str]:
+    from kvferry.harness.netns import unshare_prefix
     from kvferry.transfer import mooncake
-    from kvferry.transfer.netns import unshare_prefix
 
     if not mooncake.available():
         return None, "mooncake not installed"
@@ -237,7 +237,7 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     seed = 1234
     cases: list[Case] = list(LAYOUTS)
     # memcpy rounds alternate with the TCP ones: the same-run ratio then holds on a drifting box.
-    from kvferry.transfer import nixl_api
+    from kvferry.transfer.nixl import api as nixl_api
 
     modes: dict[str, str | None] = {"tcp": None, "tcp+auth": BENCH_SECRET}
     if nixl_api.available():

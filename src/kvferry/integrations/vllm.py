@@ -58,8 +58,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from kvferry.connector.auth import deployment_secret, is_loopback
 from kvferry.connector.base import ConnectorRole
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
+from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.pd import (
     KVTransferParamsError,
     PDConfig,
@@ -513,7 +513,7 @@ def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
 
 def _check_nixl(host: str, insecure: bool) -> None:
     """As `kvferry serve --transfer nixl`: installed, and loopback unless insecure (docs/security.md)."""
-    from kvferry.transfer import nixl_api
+    from kvferry.transfer.nixl import api as nixl_api
 
     if not nixl_api.available():
         raise ValueError(f"transfer 'nixl': nixl is not installed ({nixl_api.INSTALL_HINT}): {nixl_api.IMPORT_ERROR}")

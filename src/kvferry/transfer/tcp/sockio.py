@@ -12,7 +12,7 @@ import socket
 import time
 
 from kvferry.transfer import wire
-from kvferry.transfer.mac import Mac
+from kvferry.transfer.tcp.mac import Mac
 
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 _POLL_OUT = select.POLLOUT | select.POLLERR | select.POLLHUP

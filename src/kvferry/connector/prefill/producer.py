@@ -22,9 +22,9 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, d_ranks_for, overlap, write_ops
 from kvferry.connector.messages import FirstToken, PullRequest
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.rank_loop import SCRATCH_REGION, RankLoop
-from kvferry.connector.senders import PeerSenders
-from kvferry.connector.transfers import TransferTable, Write
+from kvferry.connector.prefill.rank_loop import SCRATCH_REGION, RankLoop
+from kvferry.connector.prefill.senders import PeerSenders
+from kvferry.connector.prefill.transfers import TransferTable, Write
 from kvferry.transfer.base import TransferEngine, WriteOp
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer
-from kvferry.connector.liveness import DelayEstimator
+from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,

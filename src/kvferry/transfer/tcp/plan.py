@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvferry.transfer import iovec, wire
+from kvferry.transfer import wire
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.regions import RegionTable
+from kvferry.transfer.tcp import iovec
 
 E = TransferErrorCause
 

@@ -18,7 +18,8 @@ import hmac
 import struct
 from dataclasses import dataclass, field
 
-from kvferry.transfer import mac, wire
+from kvferry.transfer import wire
+from kvferry.transfer.tcp import mac
 
 _INFO = b"kvferry/2 data plane "
 

@@ -17,8 +17,8 @@ import time
 from kvferry.transfer import wire
 from kvferry.transfer.base import TransferError, TransferErrorCause
 from kvferry.transfer.stats import Counters
-from kvferry.transfer.tcp_auth import Tags, derive, gmac_flag, transcript
-from kvferry.transfer.tcp_sockio import SockIO
+from kvferry.transfer.tcp.auth import Tags, derive, gmac_flag, transcript
+from kvferry.transfer.tcp.sockio import SockIO
 
 E = TransferErrorCause
 

@@ -28,16 +28,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvferry.transfer import iovec, wire
+from kvferry.transfer import wire
 from kvferry.transfer.grants import Grant, Progress
-from kvferry.transfer.mac import Mac
 from kvferry.transfer.regions import Region
-from kvferry.transfer.tcp_auth import Tags
-from kvferry.transfer.tcp_handshake import server_handshake
-from kvferry.transfer.tcp_sockio import Eof, SockIO, Stall
+from kvferry.transfer.tcp import iovec
+from kvferry.transfer.tcp.auth import Tags
+from kvferry.transfer.tcp.handshake import server_handshake
+from kvferry.transfer.tcp.mac import Mac
+from kvferry.transfer.tcp.sockio import Eof, SockIO, Stall
 
 if TYPE_CHECKING:
-    from kvferry.transfer.tcp_server import TcpServer
+    from kvferry.transfer.tcp.server import TcpServer
 
 
 class Oversized(wire.ProtocolError):

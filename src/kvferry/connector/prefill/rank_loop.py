@@ -41,12 +41,12 @@ from kvferry.connector.messages import (
     encode,
     salvage_ids,
 )
-from kvferry.connector.transfers import NOT_READY_MSG, Write
+from kvferry.connector.prefill.transfers import NOT_READY_MSG, Write
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.wire import canonical_addr, join_addr
 
 if TYPE_CHECKING:
-    from kvferry.connector.producer import Producer
+    from kvferry.connector.prefill.producer import Producer
 
 log = logging.getLogger(__name__)
 

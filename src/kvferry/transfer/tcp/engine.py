@@ -20,13 +20,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvferry.transfer import tcp_plan, wire
+from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.grants import GrantTable
 from kvferry.transfer.regions import RegionTable
-from kvferry.transfer.tcp_client import TcpClient
-from kvferry.transfer.tcp_limits import Limits
-from kvferry.transfer.tcp_server import TcpServer
+from kvferry.transfer.tcp import plan as tcp_plan
+from kvferry.transfer.tcp.client import TcpClient
+from kvferry.transfer.tcp.limits import Limits
+from kvferry.transfer.tcp.server import TcpServer
 
 
 class TcpTransferEngine(TransferEngine):

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.transfer import nixl_wire as nw
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause
 from kvferry.transfer.grants import Span, grant_spans, merge_spans
-from kvferry.transfer.nixl_regions import NixlRegions, Peers
+from kvferry.transfer.nixl import wire as nw
+from kvferry.transfer.nixl.regions import NixlRegions, Peers
 
 log = logging.getLogger(__name__)
 E = TransferErrorCause

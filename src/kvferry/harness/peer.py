@@ -1,6 +1,6 @@
 """A receiver in its own process, driven by JSON lines on stdin (used by the tests and the bench).
 
-    python -m kvferry.transfer.peer --size BYTES [--region dst] [--transfer tcp|nixl]
+    python -m kvferry.harness.peer --size BYTES [--region dst] [--transfer tcp|nixl]
 
 Prints `{"address": ..., "pid": ...}` once listening, then answers one JSON line per command:
 grant, written, close_grant, stats, fill, digest. Exits when stdin closes.
@@ -23,10 +23,10 @@ import numpy as np
 import xxhash
 
 from kvferry.transfer.base import ByteRange, TransferError
-from kvferry.transfer.tcp import TcpTransferEngine
+from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 if TYPE_CHECKING:
-    from kvferry.transfer.nixl import NixlTransferEngine
+    from kvferry.transfer.nixl.engine import NixlTransferEngine
 
 
 def _ranges(items: list[list[Any]]) -> list[ByteRange]:
@@ -59,7 +59,7 @@ def handle(engine: TcpTransferEngine | NixlTransferEngine, mem: np.ndarray, cmd:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvferry.transfer.peer")
+    parser = argparse.ArgumentParser(prog="python -m kvferry.harness.peer")
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--region", default="dst")
     parser.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = np.zeros(args.size, np.uint8)
     engine: TcpTransferEngine | NixlTransferEngine
     if args.transfer == "nixl":
-        from kvferry.transfer.nixl import NixlTransferEngine
+        from kvferry.transfer.nixl.engine import NixlTransferEngine
 
         engine = NixlTransferEngine()
     else:
@@ -96,7 +96,7 @@ class PeerProcess:
     ) -> None:
         self.region = region
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.transfer.peer", "--size", str(size), "--region", region,
+            [sys.executable, "-m", "kvferry.harness.peer", "--size", str(size), "--region", region,
              "--transfer", transfer],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

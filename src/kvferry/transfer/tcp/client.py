@@ -19,13 +19,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvferry.transfer import iovec, wire
+from kvferry.transfer import wire
 from kvferry.transfer.base import TransferError, TransferErrorCause
 from kvferry.transfer.stats import Counters
-from kvferry.transfer.tcp_auth import Tags
-from kvferry.transfer.tcp_handshake import client_handshake, recv_exact, remaining
-from kvferry.transfer.tcp_limits import Limits
-from kvferry.transfer.tcp_plan import Message
+from kvferry.transfer.tcp import iovec
+from kvferry.transfer.tcp.auth import Tags
+from kvferry.transfer.tcp.handshake import client_handshake, recv_exact, remaining
+from kvferry.transfer.tcp.limits import Limits
+from kvferry.transfer.tcp.plan import Message
 
 E = TransferErrorCause
 MAX_IDLE_PER_PEER = 8

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.transfer import nixl_api
 from kvferry.transfer.base import TransferError, TransferErrorCause
+from kvferry.transfer.nixl import api as nixl_api
 from kvferry.transfer.regions import base_address, byte_view
 
 E = TransferErrorCause

@@ -42,11 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.transfer import nixl_api
-from kvferry.transfer import nixl_wire as nw
 from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, TransferErrorCause, WriteOp
-from kvferry.transfer.nixl_recv import Receiver
-from kvferry.transfer.nixl_regions import NixlRegions, Peers
+from kvferry.transfer.nixl import api as nixl_api
+from kvferry.transfer.nixl import wire as nw
+from kvferry.transfer.nixl.recv import Receiver
+from kvferry.transfer.nixl.regions import NixlRegions, Peers
 from kvferry.transfer.wire import canonical_addr, join_addr
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from kvferry.transfer import wire
 from kvferry.transfer.grants import GrantTable
 from kvferry.transfer.regions import RegionTable
 from kvferry.transfer.stats import Counters
-from kvferry.transfer.tcp_conn import Conn
-from kvferry.transfer.tcp_limits import Limits
+from kvferry.transfer.tcp.conn import Conn
+from kvferry.transfer.tcp.limits import Limits
 
 
 class TcpServer:

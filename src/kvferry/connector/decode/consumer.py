@@ -20,9 +20,17 @@ import zmq
 import zmq.asyncio
 
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo, PrefillAllowList
-from kvferry.connector.dealer import Dealer
+from kvferry.connector.decode.dealer import Dealer
+from kvferry.connector.decode.liveness import DelayEstimator
+from kvferry.connector.decode.pulls import (
+    LEASE_HEARTBEATS,
+    ConsumerConfig,
+    Outbox,
+    PullMeta,
+    PullSpec,
+    PullTask,
+)
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
-from kvferry.connector.liveness import DelayEstimator
 from kvferry.connector.messages import (
     MAX_MESSAGE_BYTES,
     FirstToken,
@@ -33,7 +41,6 @@ from kvferry.connector.messages import (
     encode,
 )
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pulls import LEASE_HEARTBEATS, ConsumerConfig, Outbox, PullMeta, PullSpec, PullTask
 from kvferry.transfer.base import TransferEngine, covered
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvferry.connector.bootstrap import LOOPBACK
+from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.liveness import DEFAULT_CEILING_S
 from kvferry.connector.messages import FirstToken, PullResponse
 from kvferry.transfer.base import ByteRange
 
