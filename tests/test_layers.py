@@ -1,4 +1,5 @@
-"""The package layout is a contract: imports point only left, and nothing in the core imports the harness."""
+"""The package layout is a contract: imports point only left, nothing in the core imports the harness, no
+module reaches itself through its imports (function-level imports count), and every file stays small."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvferry"
 # What each package may import from kvferry (besides itself).
 ALLOWED = {
     "transfer": set(),
-    "connector": {"transfer", "engine.request"},
+    "connector": {"transfer"},
     "engine": {"connector", "transfer"},
     "serving": {"engine", "connector", "transfer"},
     "integrations": {"connector", "transfer"},
@@ -42,3 +43,53 @@ def test_imports_point_only_left() -> None:
                 if top != package and top not in allowed and module not in allowed:
                     wrong.append(f"{path.relative_to(SRC)} imports kvferry.{module}")
     assert not wrong, "\n".join(wrong)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for module in _kvferry_imports(path):
+            full = f"kvferry.{module}"
+            targets.add(full if full in modules else full.rsplit(".", 1)[0])
+        graph[name] = {t for t in targets if t in modules and t != name}
+    # `from kvferry.x import y` where y is a module counts as importing y.
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvferry"):
+                graph[name] |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
+    return graph
+
+
+def test_no_import_circles() -> None:
+    graph = _graph()
+    circles = []
+    # A module is in a circle when it can reach itself: a depth-first search from each one.
+    for start in graph:
+        seen: set[str] = set()
+        stack = list(graph[start])
+        while stack:
+            node = stack.pop()
+            if node == start:
+                circles.append(start)
+                break
+            if node not in seen:
+                seen.add(node)
+                stack.extend(graph[node])
+    assert not circles, "modules that import themselves through others: " + ", ".join(sorted(circles))
+
+
+def test_files_stay_small() -> None:
+    big = [f"{p.relative_to(SRC)}: {n}" for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400]
+    assert not big, big
+
+
+def test_transfer_top_level_holds_the_shared_core_only() -> None:
+    top = sorted(p.name for p in (SRC / "transfer").glob("*.py"))
+    assert len(top) <= 10, top
