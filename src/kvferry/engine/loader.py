@@ -19,8 +19,9 @@ import xxhash
 
 from kvferry.engine.checkpoint import read_model_dir, read_tokenizer, write_model_dir
 from kvferry.engine.gguf_import import Checkpoint
-from kvferry.engine.model import LayerWeights, LlamaWeights, ModelConfig, TinyLlama
+from kvferry.engine.model import TinyLlama
 from kvferry.engine.text import BPECodec, ByteCodec, TextCodec
+from kvferry.engine.weights import LayerWeights, LlamaWeights, ModelConfig
 
 TINY_NAME = "kvferry-tiny-llama"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"

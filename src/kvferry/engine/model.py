@@ -28,85 +28,21 @@ differently with a different OPENBLAS_NUM_THREADS.
 
 from __future__ import annotations
 
-import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvferry.connector.base import KVCacheSpec
+from kvferry.connector.layout import KVCacheSpec
+from kvferry.engine.forward_context import ForwardContext, Rope, ScratchKV
 from kvferry.engine.model_math import FloatArray, RowWeight, rms_norm
-from kvferry.engine.rows import GeneratedRows, RowLayer, layer_step
+from kvferry.engine.rows import GeneratedRows, layer_step
 from kvferry.engine.tiles import PromptTiles, prompt_layer
-from kvferry.engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from kvferry.engine.tokenizer import EOS_TOKEN_ID
+from kvferry.engine.weights import LayerWeights, LlamaWeights, ModelConfig, RowLayer, random_weights
 
 __all__ = ["FloatArray", "LayerWeights", "LlamaWeights", "ModelConfig", "SeqChunk", "TinyLlama", "sample"]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = VOCAB_SIZE
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int = 32
-    ffn_size: int = 512
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    max_position: int = 16384
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even (RoPE rotates pairs)")
-
-
-@dataclass(frozen=True)
-class LayerWeights:  # [out, in] layout (`y = W @ x`), C-contiguous
-    attn_norm: FloatArray  # [hidden]
-    qkv: FloatArray  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o_proj: FloatArray  # [hidden, heads * head_dim]
-    mlp_norm: FloatArray  # [hidden]
-    gate_up: FloatArray  # [2 * ffn, hidden]
-    down: FloatArray  # [hidden, ffn]
-
-
-@dataclass(frozen=True)
-class LlamaWeights:
-    embed: FloatArray  # [vocab, hidden]
-    layers: list[LayerWeights]
-    final_norm: FloatArray  # [hidden]
-    lm_head: FloatArray  # [vocab, hidden] (`embed` itself when tied)
-
-
-def random_weights(cfg: ModelConfig) -> LlamaWeights:
-    """The tiny model's weights: random, from `cfg.seed` (its answers are bytes, not language)."""
-    rng = np.random.default_rng(cfg.seed)
-
-    def linear(fan_in: int, fan_out: int) -> FloatArray:
-        w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
-        return np.ascontiguousarray((w * np.float32(1.0 / math.sqrt(fan_in))).T)
-
-    embed = rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
-    q_width = cfg.num_heads * cfg.head_dim
-    kv_width = cfg.num_kv_heads * cfg.head_dim
-    layers = [
-        LayerWeights(
-            attn_norm=np.ones(cfg.hidden_size, np.float32),
-            qkv=linear(cfg.hidden_size, q_width + 2 * kv_width),
-            o_proj=linear(q_width, cfg.hidden_size),
-            mlp_norm=np.ones(cfg.hidden_size, np.float32),
-            gate_up=linear(cfg.hidden_size, 2 * cfg.ffn_size),
-            down=linear(cfg.ffn_size, cfg.hidden_size),
-        )
-        for _ in range(cfg.num_layers)
-    ]
-    return LlamaWeights(embed, layers, np.ones(cfg.hidden_size, np.float32), linear(cfg.hidden_size, cfg.vocab_size))
 
 
 @dataclass(frozen=True)
@@ -137,13 +73,8 @@ class TinyLlama:
         self.embed, self.layers, self.final_norm = w.embed, w.layers, w.final_norm
         self.row_layers = [RowLayer.of(layer) for layer in self.layers]
         self.lm_head = RowWeight(w.lm_head)  # `[vocab, hidden]`: no copy when tied to `embed`
-
-        inv_freq = cfg.rope_theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
-        angles = np.outer(np.arange(cfg.max_position, dtype=np.float64), inv_freq)
-        self._rope_cos = np.cos(angles).astype(np.float32)  # [max_position, head_dim / 2]
-        self._rope_sin = np.sin(angles).astype(np.float32)
-        self.q_scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
-        self._scratch = threading.local()
+        self._rope = Rope.of(cfg)
+        self._scratch = ScratchKV(cfg)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
@@ -184,11 +115,12 @@ class TinyLlama:
         rows = self._generated_rows(seqs, block_size)
         prompts = [seq.prompt for seq in seqs if seq.prompt.live]
         tiles = PromptTiles.stack(prompts)
-        for layer_index in range(len(self.layers)):
+        ctx = ForwardContext(self.config, kv_cache, block_size, self._scratch.get(block_size), self._rope)
+        for layer_index, (weights, lin) in enumerate(zip(self.layers, self.row_layers, strict=True)):
             if prompts:
-                prompt_layer(self, kv_cache, block_size, layer_index, prompts, tiles)
+                prompt_layer(ctx, layer_index, weights, lin, prompts, tiles)
             if len(rows.hidden):
-                layer_step(self, kv_cache, block_size, layer_index, rows)
+                layer_step(ctx, layer_index, weights, lin, rows)
 
         last = [rows.hidden[s.rows[1] - 1] if s.end > s.prompt.end else s.prompt.last_row(block_size)
                 for s in seqs if s.chunk.want_logits]
@@ -203,7 +135,7 @@ class TinyLlama:
         table = np.asarray(chunk.block_table[: (end - 1) // block_size + 1 if len(tokens) else 1], dtype=np.int64)
         self._validate(kv_cache, block_size, tokens, start, end, table)
         prompt_end = end if chunk.prompt_len is None else min(max(chunk.prompt_len, start), end)
-        return _Seq(chunk, PromptTiles.of(self, tokens[: prompt_end - start], start, table, block_size), end)
+        return _Seq(chunk, PromptTiles.of(self.embed, tokens[: prompt_end - start], start, table, block_size), end)
 
     def _generated_rows(self, seqs: list[_Seq], block_size: int) -> GeneratedRows:
         """The generated positions of all sequences, sequence after sequence."""
@@ -224,29 +156,6 @@ class TinyLlama:
         pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
         hidden = np.ascontiguousarray(self.embed[np.asarray(tokens, dtype=np.int64)])
         return GeneratedRows(hidden, pos, np.concatenate(blocks) if blocks else pos, pos % block_size, spans)
-
-    def rope_at(self, positions: npt.NDArray[np.int64]) -> tuple[FloatArray, FloatArray]:
-        """RoPE `cos`, `sin` of each position, `[rows, 1, head_dim / 2]`."""
-        return self._rope_cos[positions, None, :], self._rope_sin[positions, None, :]
-
-    def scratch_kv(self, block_size: int) -> FloatArray:
-        """This thread's `[2, kv_heads, capacity, head_dim]` K/V of the sequence being run.
-
-        Its capacity is fixed, so the K/V operands of a position always have the same shape and strides.
-        """
-        buffers: dict[int, FloatArray] = self._scratch.__dict__.setdefault("buffers", {})
-        if block_size not in buffers:
-            cfg = self.config
-            capacity = -(-cfg.max_position // block_size) * block_size
-            buffers[block_size] = np.zeros((2, cfg.num_kv_heads, capacity, cfg.head_dim), dtype=np.float32)
-        return buffers[block_size]
-
-    @staticmethod
-    def load_cached_kv(kv: FloatArray, cached_blocks: FloatArray) -> None:
-        """Copy cache blocks `[n, 2, kv_heads, block_size, head_dim]` into the first n blocks of `kv`."""
-        num_blocks, _, kv_heads, block_size, head_dim = cached_blocks.shape
-        by_block = kv.reshape(2, kv_heads, -1, block_size, head_dim)
-        np.copyto(by_block[:, :, :num_blocks], cached_blocks.transpose(1, 2, 0, 3, 4))
 
     def _validate(
         self,

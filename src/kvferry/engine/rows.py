@@ -18,31 +18,15 @@ token or recomputed in one call, and one sequence alone costs what it did before
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from kvferry.engine.model_math import FloatArray, RowWeight, rms_norm, rope, swiglu
-
-if TYPE_CHECKING:
-    from kvferry.engine.model import LayerWeights, TinyLlama
+from kvferry.engine.forward_context import ForwardContext
+from kvferry.engine.model_math import FloatArray, rms_norm, rope, swiglu
+from kvferry.engine.weights import LayerWeights, RowLayer
 
 IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class RowLayer:
-    """One layer's linear weights, ready for `RowWeight.apply`."""
-
-    qkv: RowWeight
-    o_proj: RowWeight
-    gate_up: RowWeight
-    down: RowWeight
-
-    @classmethod
-    def of(cls, w: LayerWeights) -> RowLayer:
-        return cls(RowWeight(w.qkv), RowWeight(w.o_proj), RowWeight(w.gate_up), RowWeight(w.down))
 
 
 @dataclass
@@ -56,16 +40,14 @@ class GeneratedRows:
     spans: list[tuple[int, int, IntArray]]  # per sequence: its rows [lo, hi) and block table
 
 
-def layer_step(
-    model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, rows: GeneratedRows
-) -> None:
+def layer_step(ctx: ForwardContext, layer_index: int, w: LayerWeights, lin: RowLayer, rows: GeneratedRows) -> None:
     """Run one layer on every generated row (in place); writes their K/V into the cache."""
-    cfg, w, lin = model.config, model.layers[layer_index], model.row_layers[layer_index]
+    cfg, kv_cache, block_size = ctx.config, ctx.kv_cache, ctx.block_size
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x, m = rows.hidden, len(rows.hidden)
     qkv = lin.qkv.apply(rms_norm(x, w.attn_norm, cfg.rms_eps))
-    cos, sin = model.rope_at(rows.positions)
-    q = rope(qkv[:, : heads * head_dim].reshape(m, heads, head_dim), cos, sin) * model.q_scale
+    cos, sin = ctx.rope_at(rows.positions)
+    q = rope(qkv[:, : heads * head_dim].reshape(m, heads, head_dim), cos, sin) * ctx.q_scale
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(m, kv_heads, head_dim)
     kv_cache[rows.blocks, layer_index, 0, :, rows.slots] = rope(k, cos, sin)
     kv_cache[rows.blocks, layer_index, 1, :, rows.slots] = qkv[:, (heads + kv_heads) * head_dim :].reshape(
@@ -74,10 +56,9 @@ def layer_step(
 
     attended = np.empty((m, heads * head_dim), dtype=np.float32)
     grouped = q.reshape(m, kv_heads, heads // kv_heads, head_dim)  # query head h is kv head h // group
-    kv = model.scratch_kv(block_size)
     for lo, hi, table in rows.spans:
         last = int(rows.positions[hi - 1])
-        model.load_cached_kv(kv, kv_cache[table[: last // block_size + 1], layer_index])
+        kv = ctx.load_cached_kv(layer_index, table[: last // block_size + 1])
         for i in range(lo, hi):
             n = int(rows.positions[i]) + 1
             scores = grouped[i] @ kv[0, :, :n].transpose(0, 2, 1)  # [kv_heads, group, n]

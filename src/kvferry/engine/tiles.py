@@ -13,15 +13,13 @@ after a prompt never change a prompt position's bits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
+from kvferry.engine.forward_context import ForwardContext
 from kvferry.engine.model_math import FloatArray, TileRows, future_mask, rms_norm, rope, swiglu
-
-if TYPE_CHECKING:
-    from kvferry.engine.model import TinyLlama
+from kvferry.engine.weights import LayerWeights, RowLayer
 
 
 @dataclass
@@ -35,14 +33,15 @@ class PromptTiles:
     live: list[TileRows]
 
     @classmethod
-    def of(cls, model: TinyLlama, tokens: npt.NDArray[np.int64], start: int, table: npt.NDArray[np.int64],
+    def of(cls, embed: FloatArray, tokens: npt.NDArray[np.int64], start: int, table: npt.NDArray[np.int64],
            block_size: int) -> PromptTiles:
-        end, hidden = start + len(tokens), model.config.hidden_size
+        """`embed` `[vocab, hidden]`: the model's token embeddings."""
+        end, hidden = start + len(tokens), embed.shape[1]
         if not len(tokens):
             return cls(start, end, table, np.zeros((0, block_size, hidden), np.float32), [])
         first_block, last_block = start // block_size, (end - 1) // block_size
         tiles = np.zeros((last_block - first_block + 1, block_size, hidden), dtype=np.float32)
-        tiles.reshape(-1, hidden)[np.arange(start, end) - first_block * block_size] = model.embed[tokens]
+        tiles.reshape(-1, hidden)[np.arange(start, end) - first_block * block_size] = embed[tokens]
         live = []
         for block in range(first_block, last_block + 1):
             base = block * block_size
@@ -67,52 +66,50 @@ class PromptTiles:
         return row
 
 
-def prompt_layer(
-    model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, seqs: list[PromptTiles], tiles: FloatArray
-) -> None:
+def prompt_layer(ctx: ForwardContext, layer_index: int, weights: LayerWeights, lin: RowLayer, seqs: list[PromptTiles],
+                 tiles: FloatArray) -> None:
     """One layer on the prompt tiles of every sequence of the call (in place); writes their K/V into the cache.
 
     `tiles` `[T, block_size, hidden]` holds all of them (each sequence's `tiles` is a view of it): every
     linear layer meets all tiles at once (`RowWeight.apply_tiles`), attention runs tile by tile in order."""
-    cfg, weights, lin = model.config, model.layers[layer_index], model.row_layers[layer_index]
+    cfg, block_size = ctx.config, ctx.block_size
     rows = tiles.reshape(-1, cfg.hidden_size)  # row-wise ops see rows of one 2-D array, as the generated rows do
     qkv = lin.qkv.apply_tiles(rms_norm(rows, weights.attn_norm, cfg.rms_eps).reshape(tiles.shape))
     attended = np.empty((len(tiles), block_size, cfg.num_heads * cfg.head_dim), dtype=np.float32)
     first_tile = 0
     for seq in seqs:
-        _sequence_attention(model, kv_cache, block_size, layer_index, seq, qkv[first_tile:], attended[first_tile:])
+        _sequence_attention(ctx, layer_index, seq, qkv[first_tile:], attended[first_tile:])
         first_tile += len(seq.live)
     tiles += lin.o_proj.apply_tiles(attended)
     gate_up = lin.gate_up.apply_tiles(rms_norm(rows, weights.mlp_norm, cfg.rms_eps).reshape(tiles.shape))
     tiles += lin.down.apply_tiles(swiglu(gate_up.reshape(len(rows), -1), cfg.ffn_size).reshape(*tiles.shape[:2], -1))
 
 
-def _sequence_attention(model: TinyLlama, kv_cache: FloatArray, block_size: int, layer_index: int, seq: PromptTiles,
-                        qkv: FloatArray, attended: FloatArray) -> None:
+def _sequence_attention(ctx: ForwardContext, layer_index: int, seq: PromptTiles, qkv: FloatArray,
+                        attended: FloatArray) -> None:
     """Attention of one sequence's tiles (their `qkv` in order), into `attended`; fills their K/V in the cache."""
+    kv_cache, block_size = ctx.kv_cache, ctx.block_size
     first_block = seq.start // block_size
-    kv = model.scratch_kv(block_size)
     # Whole blocks are loaded; their slots from start on are overwritten or zeroed below.
-    model.load_cached_kv(kv, kv_cache[seq.table[: -(-seq.start // block_size)], layer_index])
+    kv = ctx.load_cached_kv(layer_index, seq.table[: -(-seq.start // block_size)])
     kv[:, :, seq.end : (first_block + len(seq.live)) * block_size] = 0.0
     for tile_index, live in enumerate(seq.live):
         block = first_block + tile_index
-        attended[tile_index] = _attention(model, qkv[tile_index], kv, block, live, block_size)
+        attended[tile_index] = _attention(ctx, qkv[tile_index], kv, block, live)
         new_positions = slice(block * block_size + live.lo, block * block_size + live.hi)
         kv_cache[seq.table[block], layer_index, :, :, live.lo : live.hi] = kv[:, :, new_positions]
 
 
-def _attention(model: TinyLlama, qkv: FloatArray, kv: FloatArray, block: int, rows: TileRows,
-               block_size: int) -> FloatArray:
+def _attention(ctx: ForwardContext, qkv: FloatArray, kv: FloatArray, block: int, rows: TileRows) -> FloatArray:
     """Attention output (before o_proj) of the tile of `block` from its `qkv`; also fills its live rows in `kv`."""
-    cfg = model.config
+    cfg, block_size = ctx.config, ctx.block_size
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group = heads // kv_heads
     q = qkv[:, : heads * head_dim].reshape(block_size, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(block_size, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim :].reshape(block_size, kv_heads, head_dim)
-    cos, sin = model.rope_at(np.arange(block * block_size, (block + 1) * block_size))
-    q = rope(q, cos, sin) * model.q_scale
+    cos, sin = ctx.rope_at(np.arange(block * block_size, (block + 1) * block_size))
+    q = rope(q, cos, sin) * ctx.q_scale
     lo, hi = rows.lo, rows.hi
     new = slice(block * block_size + lo, block * block_size + hi)
     kv[0, :, new] = rope(k, cos, sin)[lo:hi].transpose(1, 0, 2)
