@@ -331,10 +331,15 @@ def bench(args: argparse.Namespace) -> int:
             plan = replace(plan, output_tokens=args.output_tokens)
         serve_bench.run(args.json_path, plan=plan)
         return 0
-    if args.which == "vllm":
-        from kvferry.bench import vllm as vllm_bench
+    if args.which == "vllm" and args.faults:
+        from kvferry.bench.vllm import faults as faults_bench
 
-        vllm_bench.run(args.json_path, quick=args.quick, faults=args.faults)
+        faults_bench.run(args.json_path, quick=args.quick)
+        return 0
+    if args.which == "vllm":
+        from kvferry.bench.vllm import side_by_side
+
+        side_by_side.run(args.json_path, quick=args.quick)
         return 0
     module = importlib.import_module(f"kvferry.bench.{args.which}")
     module.run(args.json_path, quick=args.quick)

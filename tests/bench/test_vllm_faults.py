@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from kvferry.bench.vllm import metric_sum, parse_prometheus
-from kvferry.bench.vllm_faults import (
+from kvferry.bench.vllm.client import prompt
+from kvferry.bench.vllm.fault_cells import (
     FAILURE_COUNTERS,
     FAULT_KEYS,
     Cell,
     compare,
     counter_deltas,
     outcome,
-    prompt,
     summary,
     table_rows,
 )
+from kvferry.bench.vllm.servers import metric_sum, parse_prometheus
 
 
 def _cell(connector: str = "kvferry", http: int | None = 200, identical: bool | None = True,

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench.vllm import VLLM_CPU_ENV  # one OpenMP thread; the worker inside the engine core
+from kvferry.bench.vllm.servers import VLLM_CPU_ENV  # one OpenMP thread; the worker inside the engine core
 
 COMMON = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512")
 BLOCK_SIZE = 128  # vLLM's CPU block size

@@ -14,8 +14,8 @@ import pytest
 from cluster import completion, prompt_of, tokens
 from servers import Server, vllm_server
 
-from kvferry.bench.vllm import NIXL_CONFIG, nixl_env
-from kvferry.bench.vllm_faults import ROUTER_NIXL_P_PARAMS
+from kvferry.bench.vllm.client import ROUTER_NIXL_P_PARAMS
+from kvferry.bench.vllm.servers import NIXL_CONFIG, nixl_env
 from kvferry.harness.processes import free_port
 
 pytest.importorskip("nixl._api")

@@ -27,8 +27,9 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench import serve_vllm
 from kvferry.bench.report import report
+from kvferry.bench.vllm import load as vllm_load
+from kvferry.bench.vllm.servers import export_model
 from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_request, run_workload
 from kvferry.harness.processes import (
     LOOPBACK,
@@ -56,7 +57,7 @@ class ServePlan:
     min_requests: int = 8  # per level: max(min_requests, 2 * concurrency)
     poisson_rate: float | None = None  # requests/s; None = closed loop
     model: str = "smollm2"
-    vllm: bool = False  # also vLLM's client against kvferry, and `vllm serve` under both (serve_vllm.py)
+    vllm: bool = False  # also vLLM's client against kvferry, and `vllm serve` under both (vllm/load.py)
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, 2 * concurrency)
@@ -136,8 +137,8 @@ def run_level(url: str, mode: str, concurrency: int, plan: ServePlan, pool: list
 def _vllm_client(venv: Any, url: str, mode: str, concurrency: int, plan: ServePlan, tokenizer: str, workdir: str,
                  served_name: str | None = None) -> dict[str, Any]:
     mean_prompt = sum(PROMPT_TOKENS) // 2
-    return serve_vllm.vllm_client_row(venv, url, served_name or plan.model, tokenizer, mode, concurrency,
-                                      plan.requests(concurrency), mean_prompt, plan.output_tokens, workdir)
+    return vllm_load.vllm_client_row(venv, url, served_name or plan.model, tokenizer, mode, concurrency,
+                                     plan.requests(concurrency), mean_prompt, plan.output_tokens, workdir)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -174,10 +175,10 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
     rows: list[dict[str, Any]] = []
     answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
     vllm_answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
-    scratch = serve_vllm.workdir() if plan.vllm else None
-    venv = serve_vllm.vllm_venv() if plan.vllm else None
+    scratch = vllm_load.workdir() if plan.vllm else None
+    venv = vllm_load.vllm_venv() if plan.vllm else None
     try:
-        model_dir = serve_vllm.export_model(plan.model, scratch.name) if scratch is not None else ""
+        model_dir = export_model(plan.model, scratch.name) if scratch is not None else ""
         colocated = _colocated(plan, num_blocks)
         pd.start(timeout=180)
         wait_all_healthy([colocated], 180)
@@ -195,7 +196,7 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
         pd.stop()
         colocated.stop()
         if venv is not None and scratch is not None:  # after kvferry stopped: the engines never share cores
-            with serve_vllm.VllmServe(venv, model_dir, max(plan.concurrencies)) as vllm:
+            with vllm_load.VllmServe(venv, model_dir, max(plan.concurrencies)) as vllm:
                 run_level(vllm.url, "warm-up", 2, ServePlan(output_tokens=2, min_requests=2, model=plan.model), pool[:2])
                 for concurrency in plan.concurrencies:
                     row, results = run_level(vllm.url, "vllm serve", concurrency, plan, pool)

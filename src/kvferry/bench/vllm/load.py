@@ -17,30 +17,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvferry.bench.vllm import COMMON, _Group  # one vllm-serve process group, as `bench vllm` runs it
+from kvferry.bench.vllm.servers import COMMON, ServerGroup, serve_venv
 from kvferry.harness.processes import free_port
 
 CLIENT_TIMEOUT_S = 900.0
 
 
 def vllm_venv() -> Path:
-    venv = Path(os.environ.get("KVFERRY_VLLM_SERVE_VENV", Path.home() / ".cache/kvferry/venv-vllm-serve"))
+    venv = serve_venv()
     if not (venv / "bin" / "vllm").exists():
         raise SystemExit(f"kvferry bench serve --vllm: no vLLM at {venv}/bin/vllm (bash .ci/vllm-serve.sh --env-only)")
     return venv
-
-
-def export_model(model: str, directory: str) -> str:
-    """The kvferry model as a Hugging Face directory: vLLM serves it, and its tokenizer feeds vLLM's client."""
-    target = str(Path(directory) / model)
-    subprocess.run([sys.executable, "-m", "kvferry", "model", "export", model, target], check=True,
-                   stdout=subprocess.DEVNULL)
-    return target
 
 
 def vllm_client_row(venv: Path, url: str, served_name: str, tokenizer: str, mode: str, concurrency: int,
@@ -73,7 +64,7 @@ class VllmServe:
     def __init__(self, venv: Path, model_dir: str, max_num_seqs: int) -> None:
         port = free_port()
         self.model_dir = model_dir
-        self.group = _Group("vllm-serve", [str(venv / "bin" / "vllm"), "serve", model_dir, "--port", str(port),
+        self.group = ServerGroup("vllm-serve", [str(venv / "bin" / "vllm"), "serve", model_dir, "--port", str(port),
                                            *COMMON, "--max-num-seqs", str(max_num_seqs)], port)
         self.url = self.group.url
 

