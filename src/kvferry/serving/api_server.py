@@ -22,6 +22,7 @@ from kvferry.engine.engine import Engine, EngineDeadError, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.text import ChatTemplateError, TextCodec
+from kvferry.serving.drain import Drain
 from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.openai_chat import (
     ChatCompletionRequest,
@@ -62,9 +63,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
-              served_model_names: Sequence[str] = ()) -> FastAPI:
+              served_model_names: Sequence[str] = (), drain: Drain | None = None) -> FastAPI:
     """`served_model_names`: the names clients may send as `model` (as vLLM's `--served-model-name`);
-    the first is the one this instance reports. Default: the model's own name."""
+    the first is the one this instance reports. Default: the model's own name. `drain`: what SIGTERM and
+    `POST /drain` start (`kvferry serve` hands the one its server exits by; without it, a drain only stops
+    admitting)."""
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
     names = list(dict.fromkeys(served_model_names)) or [engine.loaded.name]
@@ -73,14 +76,23 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
     codec: TextCodec = engine.codec
     max_len = engine.model.config.max_position
     max_prompt_blocks = engine.pool.num_total
+    drain = drain or Drain(engine.snapshot, timeout_s=float("inf"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.alive:
             why = repr(engine.fatal_error) if engine.fatal_error is not None else "engine stopped"
             return JSONResponse({"status": "error", "error": why}, status_code=503)
+        if drain.draining:  # out of rotation: the proxy and the routers stop sending here
+            return JSONResponse({**drain.status(), "role": engine.config.role}, status_code=503)
         info = {"status": "ok", "role": engine.config.role, "engine_id": engine.config.engine_id, "pid": os.getpid()}
         return JSONResponse({**info, **(health_extra or {})})
+
+    @app.post("/drain", status_code=202)
+    async def start_drain() -> JSONResponse:
+        """For a Kubernetes preStop hook: the same drain as SIGTERM (what this instance holds is served)."""
+        drain.start("POST /drain")
+        return JSONResponse(drain.status(), status_code=202)
 
     @app.get("/metrics", response_class=Response, responses=METRICS_200)
     async def metrics() -> Response:
@@ -126,6 +138,9 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
         return await _serve(as_completion, http_request, _Chat(include_usage))
 
     async def _serve(body: CompletionRequest, http_request: Request, chat: _Chat | None) -> Response:
+        if drain.draining:  # 503: the proxy retries it on another instance
+            _release_prefill(body.kv_transfer_params)
+            return JSONResponse(error_body("instance is draining", "draining", 503), status_code=503)
         request_id = new_request_id()
         try:
             check_kv_transfer_params(body.kv_transfer_params)
@@ -148,15 +163,20 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
             raise
         if response.status_code in (400, 404, 503):  # turned away before the engine saw it
             connector.unclaim(request_id, params)
-        if response.status_code in (400, 404) and (params or {}).get("do_remote_prefill"):
-            # Turned away here, but P already prefills it (the proxy and vllm-router ask both at once):
-            # free P now rather than at its abort timeout.
-            try:
-                validate_kv_transfer_params(params)
-            except KVTransferParamsError:
-                return response  # nowhere to send the release
-            engine.reject(EngineRequest(new_request_id(), [], SamplingParams(), params, time.time()))
+        if response.status_code in (400, 404):
+            _release_prefill(params)
         return response
+
+    def _release_prefill(params: dict[str, Any] | None) -> None:
+        """Turned away here, but P already prefills it (the proxy and vllm-router ask both at once):
+        free P now rather than at its abort timeout."""
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        try:
+            validate_kv_transfer_params(params)
+        except KVTransferParamsError:
+            return  # nowhere to send the release
+        engine.reject(EngineRequest(new_request_id(), [], SamplingParams(), params, time.time()))
 
     async def _admitted(
         body: CompletionRequest, http_request: Request, chat: _Chat | None, request_id: str, pd: PDRequest
