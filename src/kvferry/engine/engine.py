@@ -21,9 +21,12 @@ from kvferry.connector.metrics import Metrics
 from kvferry.engine.block_pool import BlockPool
 from kvferry.engine.loader import LoadedModel, load_model
 from kvferry.engine.model import ModelConfig, SeqChunk, TinyLlama, sample
+from kvferry.engine.outputs import RequestOutput, Sink, Streams, stop_status
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkerResult
 from kvferry.engine.text import ByteCodec
+
+__all__ = ["Engine", "EngineConfig", "EngineDeadError", "RequestOutput", "Sink"]
 
 log = logging.getLogger(__name__)
 
@@ -52,30 +55,6 @@ class EngineConfig:
     role: str = "both"
     engine_id: str = "engine-0"
     model: ModelConfig | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error_code: str | None = None
-    error_message: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_recomputed_tokens: int = 0
-
-
-Sink = Callable[[RequestOutput], None]
-
-
-@dataclass
-class _Stream:
-    sink: Sink
-    emitted: int = 0
-    last_token_at: float | None = None  # wall clock of the previous emitted token (for inter-token latency)
 
 
 class Engine:
@@ -111,7 +90,7 @@ class Engine:
             kv_load_failure_policy=config.kv_load_failure_policy,
         )
         self.scheduler = Scheduler(sched_config, self.pool, self.scheduler_connector)
-        self._streams: dict[str, _Stream] = {}
+        self._streams = Streams(self.metrics)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         woken = self.worker_connector.set_waker(self._wakeup.set)
@@ -235,12 +214,7 @@ class Engine:
         except BaseException:
             log.exception("draining commands of a dead engine")
         message = f"engine thread died: {exc!r}"
-        for request_id, stream in list(self._streams.items()):
-            try:
-                stream.sink(RequestOutput(request_id, [], True, "error", "engine_error", message))
-            except Exception:
-                log.exception("output sink for %s failed", request_id)
-        self._streams.clear()
+        self._streams.fail_all(message)
         if self._published is not None:
             self._published = {**self._published, "fatal_error": message}
 
@@ -273,7 +247,7 @@ class Engine:
         except ValueError as exc:
             sink(RequestOutput(request.request_id, [], True, "error", "invalid_request", str(exc)))
             return
-        self._streams[request.request_id] = _Stream(sink)
+        self._streams.add(request.request_id, sink)
 
     def _reject(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
@@ -283,7 +257,7 @@ class Engine:
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)
         if request is not None:
-            self._emit(request)
+            self._streams.emit(request)
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
@@ -321,10 +295,10 @@ class Engine:
         recomputed_before, unknown_before = self.scheduler.num_recomputed_tokens, self.scheduler.num_unknown_ids
         for request in self.scheduler.update(out, sampled, report):
             if not request.is_finished:
-                status = self._stop_status(request)
+                status = stop_status(request, self.codec)
                 if status is not None:
                     self.scheduler.finish(request, status)
-            self._emit(request)
+            self._streams.emit(request)
         self._update_gauges(recomputed_before, unknown_before)
         return out
 
@@ -333,61 +307,6 @@ class Engine:
         other, D computes the token itself)."""
         vocab = self.model.config.vocab_size
         return {r: t for r, t in self.worker_connector.get_first_tokens().items() if 0 <= t.token < vocab}
-
-    def _stop_status(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
-        if (token == self.codec.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop and any(stop in self.codec.decode(request.output_token_ids) for stop in params.stop):
-            return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
-    def _emit(self, request: Request) -> None:
-        stream = self._streams.get(request.request_id)
-        if stream is None:
-            return
-        new_tokens = request.output_token_ids[stream.emitted :]
-        stream.emitted = len(request.output_token_ids)
-        finished = request.is_finished
-        output = RequestOutput(
-            request.request_id,
-            new_tokens,
-            finished,
-            request.status.finish_reason,
-            request.error_code,
-            request.error_message,
-            request.out_kv_transfer_params,
-            request.num_prompt_tokens,
-            len(request.output_token_ids),
-            request.num_recomputed_tokens,
-        )
-        self._observe_latency(request, stream, len(new_tokens), finished)
-        if finished:
-            del self._streams[request.request_id]
-            self.metrics.requests_finished.labels(reason=request.status.finish_reason).inc()
-        try:
-            stream.sink(output)
-        except Exception:  # a broken client sink must never take the engine down
-            log.exception("output sink for %s failed", request.request_id)
-
-    def _observe_latency(self, request: Request, stream: _Stream, num_new: int, finished: bool) -> None:
-        """Per-request histograms as vLLM keeps them: TTFT, inter-token latency, e2e, prompt/output tokens."""
-        m, now = self.metrics, time.time()
-        if num_new:
-            if stream.last_token_at is None:
-                m.time_to_first_token.observe(max(0.0, now - request.arrival_time))
-            else:
-                gap = (now - stream.last_token_at) / num_new
-                for _ in range(num_new):
-                    m.inter_token_latency.observe(gap)
-            stream.last_token_at = now
-        if finished and request.status.finish_reason != "error":
-            m.e2e_request_latency.observe(max(0.0, now - request.arrival_time))
-            m.request_prompt_tokens.observe(request.num_prompt_tokens)
-            m.request_generation_tokens.observe(len(request.output_token_ids))
 
     def _update_gauges(self, recomputed_before: int, unknown_before: int) -> None:
         m, s = self.metrics, self.scheduler
