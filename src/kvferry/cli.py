@@ -18,7 +18,7 @@ from kvferry.connector.metrics import Metrics
 from kvferry.connector.pd import PDConfig, PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
-from kvferry.transfer.wire import join_addr
+from kvferry.transfer.addr import join_addr
 
 MODEL_HELP = f"model: {MODEL_CHOICES_HELP}"
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from transfer_helpers import parse, read_hello, recv_exact
 
-from kvferry.transfer import wire
+from kvferry.transfer.tcp import wire
 
 
 @dataclass

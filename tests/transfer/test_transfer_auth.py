@@ -11,11 +11,10 @@ import pytest
 from relay import Relay, Tamper
 from transfer_helpers import closed_by_peer, message, pattern, raw_session, recv_exact, wait_for
 
-from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.regions import RegionTable
 from kvferry.transfer.tcp import handshake as tcp_handshake
-from kvferry.transfer.tcp import mac
+from kvferry.transfer.tcp import mac, wire
 from kvferry.transfer.tcp import plan as tcp_plan
 from kvferry.transfer.tcp.auth import Tags
 from kvferry.transfer.tcp.engine import TcpTransferEngine

@@ -24,8 +24,8 @@ from transfer_helpers import (
 )
 
 from kvferry.harness.peer import PeerProcess
-from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
+from kvferry.transfer.tcp import wire
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 MiB = 1 << 20

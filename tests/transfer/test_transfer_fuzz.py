@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transfer_helpers import parse, pattern, raw_session, read_hello, wait_for
 
-from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, WriteOp, covered
+from kvferry.transfer.tcp import wire
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 from kvferry.transfer.tcp.limits import Limits
 

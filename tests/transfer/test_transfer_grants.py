@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from transfer_helpers import message, pattern, raw_connect, read_reply, wait_for
 
-from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
+from kvferry.transfer.tcp import wire
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 Make = Callable[..., TcpTransferEngine]

@@ -23,9 +23,9 @@ from transfer_helpers import (
     wait_for,
 )
 
-from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, WriteOp
 from kvferry.transfer.tcp import client as tcp_client
+from kvferry.transfer.tcp import wire
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 from kvferry.transfer.tcp.limits import Limits
 

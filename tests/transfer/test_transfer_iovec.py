@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from transfer_helpers import message, pattern, raw_connect, read_reply, wait_for
 
-from kvferry.transfer import wire
 from kvferry.transfer.base import ByteRange, WriteOp
 from kvferry.transfer.regions import RegionTable
-from kvferry.transfer.tcp import iovec
+from kvferry.transfer.tcp import iovec, wire
 from kvferry.transfer.tcp import plan as tcp_plan
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvferry.transfer import wire
+from kvferry.transfer.tcp import wire
 from kvferry.transfer.tcp.auth import Tags
 from kvferry.transfer.tcp.handshake import client_handshake
 

@@ -114,14 +114,10 @@ def bench_tcp_modes(
     of the same blocks goes first in each round, as "memcpy"), so a noisy box loads them alike."""
     from kvferry.harness.peer import PeerProcess
     from kvferry.transfer.base import TransferEngine
-    from kvferry.transfer.tcp.engine import TcpTransferEngine
+    from kvferry.transfer.engines import new_engine
 
     def engine_for(mode: str, secret: str | None) -> TransferEngine:
-        if mode in nixl:
-            from kvferry.transfer.nixl.engine import NixlTransferEngine
-
-            return NixlTransferEngine(secret=secret or b"")
-        return TcpTransferEngine(secret=secret or b"")
+        return new_engine("nixl" if mode in nixl else "tcp", secret=secret or b"")
 
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, REGION, np.uint8)

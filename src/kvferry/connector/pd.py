@@ -39,8 +39,9 @@ from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer
 from kvferry.engine.request import Request
+from kvferry.transfer.addr import join_addr
 from kvferry.transfer.base import TransferEngine
-from kvferry.transfer.wire import join_addr
+from kvferry.transfer.engines import new_engine
 
 
 @dataclass(frozen=True)
@@ -298,20 +299,9 @@ class PDConnector(KVConnector):
         self._install_waker()
 
     def _new_transfer_engine(self, rank: int) -> TransferEngine:
-        if self.config.transfer == "mooncake":
-            from kvferry.transfer.mooncake import MooncakeTransferEngine
-
-            return MooncakeTransferEngine(self.config.host)
         port = self.config.data_port and self.config.data_port + rank
-        if self.config.transfer == "nixl":
-            from kvferry.transfer.nixl.engine import NixlTransferEngine
-
-            return NixlTransferEngine(self.config.host, port, secret=self.config.secret or b"",
-                                      advertise=join_addr(self.config.advertised_host, port))
-        from kvferry.transfer.tcp.engine import TcpTransferEngine
-
-        return TcpTransferEngine(self.config.host, port, secret=self.config.secret or b"",
-                                 advertise=join_addr(self.config.advertised_host, port))
+        return new_engine(self.config.transfer, self.config.host, port, self.config.secret or b"",
+                          join_addr(self.config.advertised_host, port))
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, PDMetadata)

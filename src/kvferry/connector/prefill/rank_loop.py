@@ -42,8 +42,8 @@ from kvferry.connector.messages import (
     salvage_ids,
 )
 from kvferry.connector.prefill.transfers import NOT_READY_MSG, Write
+from kvferry.transfer.addr import canonical_addr, join_addr
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
-from kvferry.transfer.wire import canonical_addr, join_addr
 
 if TYPE_CHECKING:
     from kvferry.connector.prefill.producer import Producer

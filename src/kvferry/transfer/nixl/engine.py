@@ -42,12 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.transfer.addr import advertised_addr, canonical_addr
 from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.nixl import api as nixl_api
 from kvferry.transfer.nixl import wire as nw
 from kvferry.transfer.nixl.recv import Receiver
 from kvferry.transfer.nixl.regions import NixlRegions, Peers
-from kvferry.transfer.wire import canonical_addr, join_addr
 
 log = logging.getLogger(__name__)
 E = TransferErrorCause
@@ -106,9 +106,7 @@ class NixlTransferEngine(TransferEngine):
         except BaseException:
             self._reserved.close()
             raise
-        self._address = canonical_addr(advertise or join_addr(host, bound))
-        if self._address.endswith(":0"):
-            self._address = self._address[:-1] + str(bound)
+        self._address = advertised_addr(advertise, host, bound)
         self._conn_md = bytes(self._agent.get_partial_agent_metadata(nixl_api.empty_reg_list("DRAM"), True))
         self._regions = NixlRegions(self._agent)
         self._peers = Peers(self._agent)

@@ -18,8 +18,7 @@ import hmac
 import struct
 from dataclasses import dataclass, field
 
-from kvferry.transfer import wire
-from kvferry.transfer.tcp import mac
+from kvferry.transfer.tcp import mac, wire
 
 _INFO = b"kvferry/2 data plane "
 

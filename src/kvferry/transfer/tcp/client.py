@@ -19,10 +19,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvferry.transfer import wire
+from kvferry.transfer.addr import split_addr
 from kvferry.transfer.base import TransferError, TransferErrorCause
 from kvferry.transfer.stats import Counters
-from kvferry.transfer.tcp import iovec
+from kvferry.transfer.tcp import iovec, wire
 from kvferry.transfer.tcp.auth import Tags
 from kvferry.transfer.tcp.handshake import client_handshake, recv_exact, remaining
 from kvferry.transfer.tcp.limits import Limits
@@ -120,9 +120,9 @@ class TcpClient:
 
     # -- connection -----------------------------------------------------------------------------
     def _connect(self, peer: str, deadline: float, token: str = "") -> _Link:
-        host, _, port = peer.rpartition(":")
+        host, port = split_addr(peer)
         try:
-            addr = (host.strip("[]"), int(port))
+            addr = (host, int(port))
         except ValueError as e:
             raise TransferError(E.INVALID, f"bad peer address {peer!r}") from e
         try:

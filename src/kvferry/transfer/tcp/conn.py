@@ -24,21 +24,31 @@ import hmac
 import itertools
 import socket
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvferry.transfer import wire
-from kvferry.transfer.grants import Grant, Progress
-from kvferry.transfer.regions import Region
-from kvferry.transfer.tcp import iovec
+from kvferry.transfer.grants import Grant, GrantTable, Progress
+from kvferry.transfer.regions import Region, RegionTable
+from kvferry.transfer.stats import Counters
+from kvferry.transfer.tcp import iovec, wire
 from kvferry.transfer.tcp.auth import Tags
 from kvferry.transfer.tcp.handshake import server_handshake
+from kvferry.transfer.tcp.limits import Limits
 from kvferry.transfer.tcp.mac import Mac
 from kvferry.transfer.tcp.sockio import Eof, SockIO, Stall
 
-if TYPE_CHECKING:
-    from kvferry.transfer.tcp.server import TcpServer
+
+@dataclass(frozen=True)
+class ConnContext:
+    """What every connection of one server shares: the server hands this, not itself."""
+
+    secret: bytes | None
+    advertised: str
+    regions: RegionTable
+    grants: GrantTable
+    limits: Limits
+    stats: Counters
 
 
 class Oversized(wire.ProtocolError):
@@ -50,12 +60,12 @@ class BadTag(wire.ProtocolError):
 
 
 class Conn(SockIO):
-    """One accepted connection; `serve` runs on its own thread."""
+    """One accepted connection; `serve` runs on its own thread (the server forgets it after)."""
 
-    def __init__(self, server: TcpServer, sock: socket.socket, ip: str) -> None:
+    def __init__(self, ctx: ConnContext, sock: socket.socket, ip: str) -> None:
         super().__init__(sock)
-        self.server = server
-        self.limits = server.limits
+        self.ctx = ctx
+        self.limits = ctx.limits
         self.ip = ip
         self.tags: Tags | None = None  # set by an authenticated handshake
 
@@ -79,11 +89,11 @@ class Conn(SockIO):
         return hmac.compare_digest(mac.finish(), tag)
 
     def serve(self) -> None:
-        stats = self.server.stats
+        stats = self.ctx.stats
         try:
             try:
                 ok, self.tags = server_handshake(
-                    self, self.server.secret, self.server.advertised, self.limits.handshake_timeout, stats
+                    self, self.ctx.secret, self.ctx.advertised, self.limits.handshake_timeout, stats
                 )
                 if not ok:
                     return
@@ -104,8 +114,6 @@ class Conn(SockIO):
             stats.add("frame_timeouts")
         except (Eof, OSError):
             pass
-        finally:
-            self.server.forget(self)
 
     def serve_message(self) -> bool:
         """Handle one write message; False when the peer closed or idled out between messages."""
@@ -113,7 +121,7 @@ class Conn(SockIO):
         try:
             self.wait(time.monotonic() + lim.idle_timeout)
         except Stall:
-            self.server.stats.add("idle_closed")
+            self.ctx.stats.add("idle_closed")
             return False
         try:  # a header that started must be complete within the frame timeout (else Stall)
             head = self.recv_exact(wire.MSG.size, time.monotonic() + lim.frame_timeout, eof_ok=True)
@@ -135,12 +143,12 @@ class Conn(SockIO):
             raise wire.ProtocolError("op too large")
         if int(lengths.sum()) != payload_len:  # cannot overflow: at most 2**16 ops of 2**40 bytes
             raise wire.ProtocolError("payload length does not match the ops")
-        grant = self.server.grants.get(token.hex())
+        grant = self.ctx.grants.get(token.hex())
         verdict = self.check(grant, names, ops)
         if isinstance(verdict, tuple) or grant is None:
             code, reason = verdict if isinstance(verdict, tuple) else (wire.Code.UNKNOWN_GRANT, "")
             if self.tags is None:
-                self.server.stats.add("rejected_writes")
+                self.ctx.stats.add("rejected_writes")
                 self.reply(wire.Status.REJECTED, code, reason)
                 self.drain(payload_len, stop_at)
                 return True
@@ -148,7 +156,7 @@ class Conn(SockIO):
             self.drain(payload_len, stop_at, mac)
             if not self.end_tag(mac, self.recv_exact(wire.TAG_BYTES, stop_at)):
                 raise BadTag("message failed authentication")
-            self.server.stats.add("rejected_writes")
+            self.ctx.stats.add("rejected_writes")
             self.reply(wire.Status.REJECTED, code, reason)
             return True
         self.scatter(grant, verdict, names, ops, stop_at, head + meta)
@@ -162,7 +170,7 @@ class Conn(SockIO):
             return wire.Code.UNKNOWN_GRANT, "unknown or closed grant"
         regions = []
         for idx, name in enumerate(names):
-            region = self.server.regions.get(name)
+            region = self.ctx.regions.get(name)
             if region is None or not region.alive:
                 return wire.Code.UNKNOWN_REGION, f"region {name!r} is not registered"
             regions.append(region)
@@ -249,10 +257,10 @@ class Conn(SockIO):
                             mac.update_pieces(base[hashed:i], plist[hashed:i])
                             hashed = i
             except (Eof, Stall, OSError):
-                self.server.stats.add("incomplete_writes")
+                self.ctx.stats.add("incomplete_writes")
                 raise
             finally:
-                self.server.stats.add("bytes_received", pos)
+                self.ctx.stats.add("bytes_received", pos)
             if fenced:
                 self.drain((ends[-1] if ends else 0) - pos, stop_at)
                 if self.tags is not None:  # not verified: a REJECTED reply claims nothing
@@ -264,10 +272,10 @@ class Conn(SockIO):
             with grant.lock:
                 progress.finished = True
         if fenced:
-            self.server.stats.add("rejected_writes")
+            self.ctx.stats.add("rejected_writes")
             self.reply(wire.Status.REJECTED, wire.Code.GRANT_CLOSED, "grant closed mid-write")
             return
-        self.server.stats.add("accepted_writes")
+        self.ctx.stats.add("accepted_writes")
         self.reply(wire.Status.OK, wire.Code.OK)
 
     def _verify(

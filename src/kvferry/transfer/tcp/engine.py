@@ -5,7 +5,7 @@ registered source memory (an iovec table of addresses, `iovec`; memoryviews with
 Linux); the call returns once the receiver acknowledged every message.
 Receiver: a listener thread plus one thread per connection; `recvmsg` scatters each message straight
 into registered memory (the same kind of table), and bytes land only inside an open grant
-(see `tcp_conn` for how `close_grant` fences writers). What a stranger can make it spend is capped
+(see `conn` for how `close_grant` fences writers). What a stranger can make it spend is capped
 (`tcp_limits`: connections in total and per IP, handshake, idle and frame deadlines, clamped ttl,
 frame sizes). With a shared secret (argument or env KVFERRY_SECRET) both ends prove knowledge of it
 in a handshake bound to both nonces and both addresses, and every message and reply carries a tag
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvferry.transfer import wire
+from kvferry.transfer.addr import join_addr
 from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.grants import GrantTable
 from kvferry.transfer.regions import RegionTable
@@ -61,7 +61,7 @@ class TcpTransferEngine(TransferEngine):
     @property
     def bound_address(self) -> str:
         """Where the listener is bound (differs from `address` when `advertise` was given)."""
-        return wire.join_addr(self._server.host, self._server.port)
+        return join_addr(self._server.host, self._server.port)
 
     @property
     def stats(self) -> dict[str, int]:

@@ -14,9 +14,10 @@ import os
 import socket
 import time
 
-from kvferry.transfer import wire
+from kvferry.transfer.addr import canonical_addr
 from kvferry.transfer.base import TransferError, TransferErrorCause
 from kvferry.transfer.stats import Counters
+from kvferry.transfer.tcp import wire
 from kvferry.transfer.tcp.auth import Tags, derive, gmac_flag, transcript
 from kvferry.transfer.tcp.sockio import SockIO
 
@@ -48,8 +49,8 @@ def client_handshake(sock: socket.socket, peer: str, secret: bytes | None, deadl
     magic, version, sflags, alen, snonce = wire.HELLO.unpack(recv_exact(sock, wire.HELLO.size, deadline))
     if magic != wire.HELLO_MAGIC or version != wire.VERSION or alen > wire.MAX_ADDR:
         raise TransferError(E.PROTOCOL, f"{peer} is not a kvferry endpoint (of this version)")
-    server = wire.canonical_addr(recv_exact(sock, alen, deadline).decode(errors="replace"))
-    dialed = wire.canonical_addr(peer)
+    server = canonical_addr(recv_exact(sock, alen, deadline).decode(errors="replace"))
+    dialed = canonical_addr(peer)
     cnonce = os.urandom(wire.NONCE_BYTES)
     session = None
     if secret:
@@ -92,7 +93,7 @@ def server_handshake(
     magic, version, cflags, alen, cnonce, proof = wire.AUTH.unpack(io.recv_exact(wire.AUTH.size, deadline))
     if magic != wire.AUTH_MAGIC or version != wire.VERSION or alen > wire.MAX_ADDR:
         raise wire.ProtocolError("bad handshake")
-    dialed = wire.canonical_addr(io.recv_exact(alen, deadline).decode(errors="replace"))
+    dialed = canonical_addr(io.recv_exact(alen, deadline).decode(errors="replace"))
     status, sproof, tags = wire.AuthStatus.OK, bytes(32), None
     if secret:
         if not cflags & wire.FLAG_AUTH:

@@ -24,7 +24,7 @@ import ctypes
 import hmac
 import weakref
 
-from kvferry.transfer import wire
+from kvferry.transfer.tcp import wire
 
 _CHUNK = 1 << 30  # EVP_EncryptUpdate takes an int length
 _JOIN_BELOW = 8 << 10  # pieces smaller than this are gathered (one memcpy) and hashed in one call...

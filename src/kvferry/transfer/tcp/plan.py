@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvferry.transfer import wire
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.regions import RegionTable
-from kvferry.transfer.tcp import iovec
+from kvferry.transfer.tcp import iovec, wire
 
 E = TransferErrorCause
 

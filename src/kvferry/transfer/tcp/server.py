@@ -2,7 +2,8 @@
 
 A connection over `Limits.max_connections` in total or `Limits.max_connections_per_ip` from its peer's
 IP is closed at once, before any thread or buffer is spent on it (`refused_connections`). Each admitted
-connection gets a thread running `tcp_conn.Conn.serve` (handshake, then messages).
+connection gets a thread running `conn.Conn.serve` (handshake, then messages); the server hands each
+conn a frozen `ConnContext` (not itself) and forgets the conn when its `serve` returns.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import socket
 import threading
 import time
 
-from kvferry.transfer import wire
+from kvferry.transfer.addr import advertised_addr
 from kvferry.transfer.grants import GrantTable
 from kvferry.transfer.regions import RegionTable
 from kvferry.transfer.stats import Counters
-from kvferry.transfer.tcp.conn import Conn
+from kvferry.transfer.tcp.conn import Conn, ConnContext
 from kvferry.transfer.tcp.limits import Limits
 
 
@@ -46,14 +47,11 @@ class TcpServer:
         self._listener.bind((host, port))
         self._listener.listen(128)
         self.host, self.port = host, self._listener.getsockname()[1]
-        bound = wire.join_addr(host, self.port)
-        # The address peers dial; with a secret a handshake naming another one is refused. Port 0 in
-        # `advertise` means the bound one (the kernel chose it).
-        if advertise and advertise.endswith(":0"):
-            advertise = f"{advertise[:-2]}:{self.port}"
-        self.advertised = wire.canonical_addr(advertise or bound)
+        # The address peers dial; with a secret a handshake naming another one is refused.
+        self.advertised = advertised_addr(advertise, host, self.port)
         if not self.advertised:
             raise ValueError(f"bad advertised address {advertise!r}")
+        self._ctx = ConnContext(secret, self.advertised, regions, grants, self.limits, self.stats)
         self._thread = threading.Thread(target=self._accept_loop, name="kvferry-tcp-listen", daemon=True)
         self._thread.start()
 
@@ -76,7 +74,7 @@ class TcpServer:
                 if full or self._per_ip.get(ip, 0) >= lim.max_connections_per_ip:
                     conn = None
                 else:
-                    conn = Conn(self, sock, ip)
+                    conn = Conn(self._ctx, sock, ip)
                     self._conns.add(conn)
                     self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
             if conn is None:
@@ -86,9 +84,15 @@ class TcpServer:
             self.stats.add("connections_accepted")
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                threading.Thread(target=conn.serve, name="kvferry-tcp-conn", daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn,), name="kvferry-tcp-conn", daemon=True).start()
             except (OSError, RuntimeError):  # reset already, or no thread to be had: drop this one
                 self.forget(conn)
+
+    def _serve(self, conn: Conn) -> None:
+        try:
+            conn.serve()
+        finally:
+            self.forget(conn)
 
     def forget(self, conn: Conn) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ import select
 import socket
 import time
 
-from kvferry.transfer import wire
+from kvferry.transfer.tcp import wire
 from kvferry.transfer.tcp.mac import Mac
 
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP

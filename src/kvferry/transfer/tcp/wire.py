@@ -5,14 +5,13 @@ AUTH_RESULT, then any number of write messages.
 Write message (client → server): MSG header, meta (region-name table + op table), payload bytes
 (the ops' bytes back to back, in op order).  The server answers every message with one REPLY: OK once
 every byte landed, or REJECTED/PROTOCOL with a reason (possibly before the payload was read).
-With a shared secret every message and every reply ends with a TAG_BYTES tag (see `tcp_auth`).
+With a shared secret every message and every reply ends with a TAG_BYTES tag (see `auth`).
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
-import ipaddress
 import struct
 
 import numpy as np
@@ -96,24 +95,6 @@ class AuthStatus(enum.IntEnum):
 
 class ProtocolError(Exception):
     """The peer sent bytes that do not follow this format."""
-
-
-def join_addr(host: str, port: int) -> str:
-    """`host:port`, an IPv6 literal in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def canonical_addr(addr: str) -> str:
-    """`host:port` in one spelling (IP literals normalised, names lower-case); '' if it is not one."""
-    host, sep, port = addr.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit():
-        return ""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return f"{host.lower()}:{int(port)}"
-    return join_addr(str(ip), int(port))
 
 
 def encode_reply(status: Status, code: Code, reason: str = "") -> bytes:
