@@ -54,6 +54,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="fault injection, e.g. 'transport=0.1,corrupt=0.05,seed=1' (env KVFERRY_FAULTS)")
     p.add_argument("--abort-timeout", type=float, default=30.0,
                    help="prefill: how long a pull waits for an unfinished prefill, and unpulled blocks are kept (s)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="SIGTERM or POST /drain: stop admitting, serve what is held, exit 0 within this (s; "
+                        "default --abort-timeout: P's unpulled prefills expire by then). A second SIGTERM or SIGINT ends it")
+    p.add_argument("--drain-grace", type=float, default=0.0,
+                   help="draining: /health says 503 at least this long before the port closes (s; for load "
+                        "balancers that only poll /health)")
     p.add_argument("--kv-load-deadline", type=float, default=60.0,
                    help="decode: no request waits for remote KV longer than this (s)")
     p.add_argument("--heartbeat-interval", type=float, default=0.25, help="D → P liveness ping period (s)")
@@ -119,6 +125,9 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the proxy")
     p.add_argument("--retries", type=int, default=0, help="retry a KV-load failure before the first token")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="ask every instance in rotation /health this often; a draining (503) or unreachable one "
+                        "leaves rotation until it answers 200 again (s; 0 = only on failed requests)")
     p.add_argument("--retry-unreachable", type=int, default=3,
                    help="retry (with backoff up to 2 s) when an instance cannot be reached at all")
     p.add_argument("--sequential", action="store_true",
@@ -205,6 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvferry.serving.api_server import build_app
+    from kvferry.serving.drain import Drain, DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _check_exposure(args) or not _check_nixl(args):
@@ -288,8 +298,11 @@ def serve(args: argparse.Namespace) -> int:
             print(f"{who}: data plane ({args.transfer}) of rank {rank} on {addr}{_bound(bound, addr)}", file=sys.stderr,
                   flush=True)
     try:
-        app = build_app(engine, extra, names)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        timeout = args.abort_timeout if args.drain_timeout is None else args.drain_timeout
+        drain = Drain(engine.snapshot, timeout_s=timeout, grace_s=args.drain_grace)
+        app = build_app(engine, extra, names, drain)
+        server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        DrainingServer(server_config, drain).run()
     finally:
         engine.stop()
     return 0
@@ -300,7 +313,8 @@ def proxy(args: argparse.Namespace) -> int:
 
     from kvferry.serving.proxy import build_proxy_app
 
-    app = build_proxy_app(args.prefill, args.decode, args.retries, args.sequential, args.retry_unreachable)
+    app = build_proxy_app(args.prefill, args.decode, args.retries, args.sequential, args.retry_unreachable,
+                          args.health_interval)
     print(f"kvferry proxy: HTTP API on http://{args.host}:{args.port} (prefill {', '.join(args.prefill)}; "
           f"decode {', '.join(args.decode)})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

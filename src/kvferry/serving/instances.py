@@ -1,5 +1,6 @@
 """The proxy's view of its P and D instances: round-robin picks that skip ejected instances, ejection
-after a failed connect (or a dropped connection), and a `/health` probe that brings one back."""
+after a failed connect (or a dropped connection), an active `/health` check that takes a draining (503) or
+vanished instance out of rotation before a request finds out, and a probe that brings one back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import httpx
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.5
+# Every instance in rotation is asked /health this often (a draining one answers 503).
+CHECK_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -66,6 +69,29 @@ class InstancePool(Generic[T]):
     client: httpx.AsyncClient
     _next: int = 0
     _probes: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _checks: asyncio.Task[None] | None = None
+
+    def start_checks(self, interval_s: float = CHECK_INTERVAL_S) -> None:
+        """Active health checks of the instances in rotation (call on the proxy's event loop)."""
+        if interval_s > 0 and self._checks is None:
+            self._checks = asyncio.create_task(self._check_loop(interval_s))
+
+    async def _check_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await asyncio.gather(*(self._check(i) for i in self.instances if not i.ejected))
+
+    async def _check(self, instance: T) -> None:
+        # Only a refused connection or a 503 ejects: a busy instance that answers late is still serving.
+        try:
+            r = await self.client.get(f"{instance.url}/health", timeout=2.0)
+        except httpx.ConnectError as exc:
+            self.eject(instance, f"/health: {exc!r}")
+            return
+        except httpx.HTTPError:
+            return
+        if r.status_code == 503:
+            self.eject(instance, f"/health answered 503 {r.text[:200]}")
 
     def pick(self, avoid: T | None = None) -> T:
         n = len(self.instances)
@@ -107,6 +133,9 @@ class InstancePool(Generic[T]):
             self._probes.pop(instance.url, None)
 
     async def close(self) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
+            await asyncio.gather(self._checks, return_exceptions=True)
         for task in list(self._probes.values()):
             task.cancel()
         await asyncio.gather(*self._probes.values(), return_exceptions=True)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvferry.serving.api_server import install_error_handlers
-from kvferry.serving.instances import Instance, InstancePool, PrefillTarget
+from kvferry.serving.instances import CHECK_INTERVAL_S, Instance, InstancePool, PrefillTarget
 from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.openai_chat import ChatCompletionRequest
 from kvferry.serving.protocol import (
@@ -58,6 +58,7 @@ def build_proxy_app(
     retries: int = 0,
     sequential: bool = False,
     retry_unreachable: int = 3,
+    health_interval_s: float = CHECK_INTERVAL_S,
 ) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     prefills = InstancePool([PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential)
@@ -67,6 +68,8 @@ def build_proxy_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        prefills.start_checks(health_interval_s)
+        decodes.start_checks(health_interval_s)
         yield
         await prefills.close()
         await decodes.close()
