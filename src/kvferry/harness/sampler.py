@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,8 +11,7 @@ from typing import Any
 
 import httpx
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from kvferry.harness.metrics_text import parse_samples
 
 
 @dataclass
@@ -40,18 +38,8 @@ class MetricSnapshot:
 
 def parse_metrics(text: str) -> MetricSnapshot:
     snap = MetricSnapshot()
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        labels = dict(_LABEL.findall(m.group(2) or ""))
-        snap.samples.setdefault(m.group(1), []).append((labels, value))
+    for name, labels, value in parse_samples(text):
+        snap.samples.setdefault(name, []).append((labels, value))
     return snap
 
 

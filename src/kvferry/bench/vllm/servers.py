@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from kvferry.harness.metrics_text import parse_samples
 from kvferry.harness.processes import HARNESS_SECRET, free_port
 
 LOOPBACK = "127.0.0.1"
@@ -46,13 +47,15 @@ def export_model(model: str, directory: str) -> str:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                out[key] = float(value)
-    return out
+    """A /metrics page as series (`name{labels}`, labels as the page writes them) → value."""
+    return {_series(name, labels): value for name, labels, value in parse_samples(text)}
+
+
+def _series(name: str, labels: dict[str, str]) -> str:
+    if not labels:
+        return name
+    escaped = {k: v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in labels.items()}
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in escaped.items()) + "}"
 
 
 def metric_sum(metrics: dict[str, float], name: str) -> float:
