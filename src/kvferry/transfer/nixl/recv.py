@@ -53,7 +53,9 @@ class Grant:
             starts, ends = allowed
             o, n = offs[sel], lens[sel]
             idx = np.searchsorted(starts, o, side="right").astype(np.int64) - 1
-            if not bool(((idx >= 0) & (o + n <= ends[np.maximum(idx, 0)])).all()):
+            end = ends[np.maximum(idx, 0)]
+            # `n <= end - o`, not `o + n <= end`: uint64 sums wrap
+            if not bool(((idx >= 0) & (o <= end) & (n <= end - np.minimum(o, end))).all()):
                 return False
         return True
 
@@ -203,10 +205,11 @@ class Receiver:
                 return None
             grant.seen.add((note.wid, note.chunk))
             names = [r[0] for r in grant.regions]
-            mems = {grant.regions[i][1] for i in set(ridx.tolist())} if len(ops) else set()
-            if not grant.open or bool((ridx >= len(names)).any()) or len(mems) > 1 or (
-                not grant.inside(names, ridx, dst, lens)
-            ):
+            if not grant.open or not self._in_regions(names, ridx, dst, lens):
+                self._count("rejected_writes")
+                return nw.REJECTED
+            mems = {grant.regions[i][1] for i in set(ridx.tolist())}
+            if len(mems) > 1 or not grant.inside(names, ridx, dst, lens):
                 self._count("rejected_writes")
                 return nw.REJECTED
             if time.monotonic() >= deadline:
@@ -243,6 +246,14 @@ class Receiver:
             return None
         self._finish(read, state)
         return None
+
+    def _in_regions(self, names: list[str], ridx: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> bool:
+        """Every op names one of the grant's regions and lies inside that region, checked before the grant
+        (as the TCP plane does) so that no sum below can wrap: a region is far smaller than 2**64."""
+        if bool((ridx >= len(names)).any()):
+            return False
+        sizes = np.array([r.size if (r := self._regions.get(n)) else 0 for n in names], np.uint64)[ridx]
+        return not bool(((dst > sizes) | (lens > sizes - np.minimum(dst, sizes))).any())
 
     def poll(self) -> bool:
         """Check posted reads; True while some are still in flight."""
