@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import signal
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import httpx
 
+from kvferry.harness.processes import Supervised
 from procs import Proc, free_port
 
 MODES = ("vllm-nixl", "vllm-mooncake", "sglang")
@@ -52,7 +49,7 @@ def router_command(mode: str, port: int, prefills: Sequence[Proc], decodes: Sequ
     return ["vllm-router", *host, "--vllm-pd-disaggregation", *prefill_args, *decode_args, *extra]
 
 
-class Router:
+class Router(Supervised):
     """One router process in its own session, so that stop() takes every process it started."""
 
     def __init__(self, command: list[str], url: str) -> None:
@@ -60,14 +57,10 @@ class Router:
         executable = shutil.which(command[0])
         if executable is None:
             raise RuntimeError(f"{command[0]} is not installed (pip install -e '.[test]')")
-        self._log = tempfile.NamedTemporaryFile(prefix="kvferry-router-", suffix=".log", delete=False)  # noqa: SIM115
-        self.popen = subprocess.Popen([executable, *command[1:]], stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        super().__init__("router", [executable, *command[1:]], own_group=True, log_prefix="kvferry-")
 
     def log(self) -> str:
-        self._log.flush()
-        with open(self._log.name, "rb") as f:
-            return f.read().decode(errors="replace")[-3000:]
+        return self.output_tail(3000)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Ready once it answers requests: the routers accept connections only after their workers did."""
@@ -80,18 +73,6 @@ class Router:
                     return
             time.sleep(0.1)
         raise TimeoutError(f"router not ready after {timeout}s:\n{self.log()}")
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=10)
-        self._log.close()
-        os.unlink(self._log.name)
 
 
 class RouterExited(RuntimeError):

