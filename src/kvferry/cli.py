@@ -125,6 +125,9 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the proxy")
     p.add_argument("--retries", type=int, default=0, help="retry a KV-load failure before the first token")
+    p.add_argument("--migrations", type=int, default=2,
+                   help="a stream whose D dies is resumed on another D from the tokens already sent, at most this "
+                        "many times (0 = off; needs kvferry D instances)")
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="ask every instance in rotation /health this often; a draining (503) or unreachable one "
                         "leaves rotation until it answers 200 again (s; 0 = only on failed requests)")
@@ -314,7 +317,7 @@ def proxy(args: argparse.Namespace) -> int:
     from kvferry.serving.proxy import build_proxy_app
 
     app = build_proxy_app(args.prefill, args.decode, args.retries, args.sequential, args.retry_unreachable,
-                          args.health_interval)
+                          args.health_interval, args.migrations)
     print(f"kvferry proxy: HTTP API on http://{args.host}:{args.port} (prefill {', '.join(args.prefill)}; "
           f"decode {', '.join(args.decode)})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

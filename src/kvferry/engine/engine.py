@@ -247,7 +247,7 @@ class Engine:
         except ValueError as exc:
             sink(RequestOutput(request.request_id, [], True, "error", "invalid_request", str(exc)))
             return
-        self._streams.add(request.request_id, sink)
+        self._streams.add(request.request_id, sink, emitted=len(request.output_token_ids))
 
     def _reject(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED

@@ -66,8 +66,9 @@ class Streams:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def add(self, request_id: str, sink: Sink) -> None:
-        self._streams[request_id] = _Stream(sink)
+    def add(self, request_id: str, sink: Sink, emitted: int = 0) -> None:
+        """`emitted`: output tokens the client already has (a resumed request's): never sent again."""
+        self._streams[request_id] = _Stream(sink, emitted)
 
     def fail_all(self, message: str) -> None:
         """The engine died: every live stream ends with `engine_error`."""

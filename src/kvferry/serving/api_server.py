@@ -42,6 +42,7 @@ from kvferry.serving.protocol import (
     new_request_id,
     validation_message,
 )
+from kvferry.serving.resume import TOKEN_IDS_FIELD, Resume, ResumeError, TextAssembler, parse_resume
 from kvferry.serving.sglang_info import install_info_routes
 
 # How often a non-streaming handler checks whether its client went away.
@@ -220,7 +221,16 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
         if any(not s for s in stop):
             return _bad_request("stop strings must not be empty")
         params = SamplingParams(max_tokens, body.temperature, body.seed, stop, (), body.ignore_eos)
+        try:
+            resume = parse_resume(body.model_extra or {}, codec.vocab_size, max_tokens)
+            if resume is not None and kv_params:
+                raise ResumeError("a resumed request computes its KV here: no kv_transfer_params")
+            TextAssembler(codec, stop, resume)  # text_sent must fit the tokens' text
+        except ResumeError as exc:
+            return _bad_request(str(exc))
         request = EngineRequest(request_id, prompt_ids, params, kv_params, time.time())
+        if resume is not None:  # already generated: computed again like a preempted request's
+            request.output_token_ids = list(resume.token_ids)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -231,7 +241,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
             engine.submit(request, sink)
         except EngineDeadError as exc:
             return _engine_dead(exc)
-        call = _Call(engine, request_id, body, stop, outputs, http_request, body.model or model_name, chat)
+        call = _Call(engine, request_id, body, stop, outputs, http_request, body.model or model_name, chat, resume)
         return await (_stream(call) if body.stream else _complete(call))
 
     return app
@@ -259,30 +269,6 @@ class _Chat:
     include_usage: bool
 
 
-class _TextAssembler:
-    """Tokens → text, holding back EOS and cutting at the first stop string."""
-
-    def __init__(self, codec: TextCodec, stop: tuple[str, ...]) -> None:
-        self.stop = stop
-        self.detokenizer = codec.detokenizer()
-        self.text = ""
-        self.sent = 0
-
-    def add(self, token_ids: list[int], final: bool) -> str:
-        self.text += self.detokenizer.push_many(token_ids)
-        if final:
-            self.text += self.detokenizer.finish()
-        cut = min((i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-        # Hold back a tail that could still grow into a stop string.
-        hold = 0 if final or cut >= 0 else max((len(s) - 1 for s in self.stop), default=0)
-        end = max(self.sent, len(self.text) - hold)
-        delta = self.text[self.sent : end]
-        self.sent = end
-        return delta
-
-
 @dataclass
 class _Call:
     """One completion request in flight: what its answer is built from."""
@@ -295,6 +281,7 @@ class _Call:
     http_request: Request
     model: str
     chat: _Chat | None
+    resume: Resume | None = None
 
     def body_json(self, text: str, out: RequestOutput, chunk: bool = False, first: bool = False) -> dict[str, Any]:
         """A completion / chat.completion body, or (chunk) one event of a stream: the last one carries
@@ -321,7 +308,7 @@ class _Call:
 
 
 async def _complete(call: _Call) -> Response:
-    assembler = _TextAssembler(call.engine.codec, call.stop)
+    assembler = TextAssembler(call.engine.codec, call.stop, call.resume)
     while True:
         out = await call.next()
         if out is None:
@@ -341,12 +328,18 @@ async def _stream(call: _Call) -> Response:
         return Response(status_code=499)
     if first.finished and first.finish_reason == "error":
         return _error_response(first)
-    assembler = _TextAssembler(call.engine.codec, call.stop)
-    sent_first = False
+    assembler = TextAssembler(call.engine.codec, call.stop, call.resume)
+    sent_first = call.resume is not None  # a resumed chat stream already had its role chunk
+    # The proxy asks for each chunk's token ids, to resume the stream elsewhere if this instance dies.
+    with_ids = bool((call.body.model_extra or {}).get(TOKEN_IDS_FIELD))
+    pending_ids: list[int] = []
 
     def chunk(text: str, out: RequestOutput) -> str:
         nonlocal sent_first
         data = call.body_json(text, out, chunk=True, first=not sent_first)
+        if with_ids:
+            data[TOKEN_IDS_FIELD] = pending_ids.copy()
+            pending_ids.clear()
         sent_first = True
         return f"data: {json.dumps(data)}\n\n"
 
@@ -360,6 +353,7 @@ async def _stream(call: _Call) -> Response:
                     finished = True
                     break
                 text = assembler.add(out.new_token_ids, out.finished)
+                pending_ids.extend(out.new_token_ids)  # tokens whose text is held back ride the next chunk
                 if text or out.finished:
                     yield chunk(text, out)
                 if out.finished:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvferry.serving import migrate
 from kvferry.serving.api_server import install_error_handlers
 from kvferry.serving.instances import CHECK_INTERVAL_S, Instance, InstancePool, PrefillTarget
 from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
@@ -47,6 +48,10 @@ class ProxyMetrics:
         self.requests = Counter(
             "kvferry_proxy_requests", "Proxied requests by outcome", ["outcome"], registry=self.registry
         )
+        self.migrations = Counter(
+            "kvferry_proxy_migrations", "Streams whose D died, by outcome (resumed on another D, or gave up)",
+            ["outcome"], registry=self.registry,
+        )
         self.ejections = Counter(
             "kvferry_proxy_ejections", "Instances ejected after a failed connect", ["role"], registry=self.registry
         )
@@ -59,6 +64,7 @@ def build_proxy_app(
     sequential: bool = False,
     retry_unreachable: int = 3,
     health_interval_s: float = CHECK_INTERVAL_S,
+    migrations: int = 2,
 ) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     prefills = InstancePool([PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential)
@@ -154,6 +160,8 @@ def build_proxy_app(
 
     async def _serve(body: dict[str, Any], path: str) -> Response:
         stream = bool(body.get("stream"))
+        if stream and migrations > 0:
+            body = migrate.prepare(body)  # P and D see the same seed: P's first token stays D's
         kv_failures = unreachable = 0
         last_p: PrefillTarget | None = None
         last_d: Instance | None = None
@@ -162,7 +170,8 @@ def build_proxy_app(
             ejections = prefills.ejections(), decodes.ejections()
             transfer_id = f"xfer-{uuid.uuid4()}"
             response, outcome = await Attempt(
-                client, prefills, decodes, target, decode, body, stream, transfer_id, path, p_conns
+                client, prefills, decodes, target, decode, body, stream, transfer_id, path, p_conns, migrations,
+                lambda outcome: metrics.migrations.labels(outcome=outcome).inc(),
             ).run()
             metrics.ejections.labels(role="prefill").inc(prefills.ejections() - ejections[0])
             metrics.ejections.labels(role="decode").inc(decodes.ejections() - ejections[1])

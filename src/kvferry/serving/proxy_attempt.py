@@ -10,7 +10,7 @@ import contextlib
 import enum
 import functools
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.serving.instances import Instance, InstancePool, PrefillTarget
 from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
+from kvferry.serving.migrate import Migration
 from kvferry.serving.protocol import error_body
 
 # Not relayed from D: hop-by-hop headers, and the ones the proxy's own server sets (no duplicates).
@@ -99,6 +100,9 @@ class Attempt:
     path: str = "/v1/completions"  # or /v1/chat/completions
     # The proxy's connections to P (None: one per request, closed after it).
     p_conns: PrefillConnections | None = None
+    # A stream whose D dies is resumed on another D, at most this many times (0: not at all).
+    migrations: int = 0
+    on_migration: Callable[[str], None] = lambda _outcome: None
 
     @property
     def _p(self) -> PrefillConnections:
@@ -189,9 +193,17 @@ class Attempt:
             return response, Outcome.KV_FAILED
         headers = {k: v for k, v in d_response.headers.items() if k.lower() not in _HOP_HEADERS}
         if not self.stream:
-            content = await d_response.aread()
-            await d_response.aclose()
+            try:
+                content = await d_response.aread()
+            except httpx.HTTPError as exc:  # D died before its whole answer: nothing reached the client yet
+                return self._unreachable(self.decodes, self.decode, f"decode {self.decode.url} broke: {exc!r}")
+            finally:
+                await d_response.aclose()
             return Response(content, 200, headers=headers), Outcome.DONE
+        if self.migrations > 0:
+            migration = Migration(self.client, self.decodes, self.body, self.path, self.migrations, self.on_migration)
+            events = _cancel_after(migration.relay(d_response, self.decode), prefill)
+            return StreamingResponse(events, 200, headers=headers), Outcome.DONE
         return StreamingResponse(_relay(d_response, prefill), 200, headers=headers), Outcome.DONE
 
     async def _p_is_gone(self, prefill: asyncio.Task[httpx.Response]) -> bool:
@@ -249,6 +261,15 @@ async def _cancel(decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[ht
 def _consume_exception(task: asyncio.Task[httpx.Response]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved here so an ignored P failure is not logged as "never retrieved"
+
+
+async def _cancel_after(events: AsyncIterator[bytes], prefill: asyncio.Task[httpx.Response] | None) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        if prefill is not None and not prefill.done():
+            prefill.cancel()
 
 
 async def _relay(d_response: httpx.Response, prefill: asyncio.Task[httpx.Response] | None) -> AsyncIterator[bytes]:

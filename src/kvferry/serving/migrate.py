@@ -1,0 +1,145 @@
+"""Decode migration: the proxy relays D's stream event by event and, when D dies mid-stream (its
+connection breaks, or the stream ends without `[DONE]`), resumes it on another D from the prompt plus
+the tokens the client already has (serving/resume.py). kvferry's engine samples from (seed, position)
+and computes a sequence's bits the same wherever it runs, so the client's whole text is the fault-free
+answer: no token repeated or lost. The proxy gives every sampled request without a seed one of its own
+so that it, too, can be resumed.
+
+What it costs: each event is parsed (to strip the token ids D added for the proxy). What it cannot do:
+resume a D that announces no token ids (a vLLM D) — that stream ends as it did before, without `[DONE]`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvferry.serving.instances import Instance, InstancePool
+from kvferry.serving.protocol import error_body
+from kvferry.serving.resume import RESUME_FIELD, TOKEN_IDS_FIELD
+
+log = logging.getLogger(__name__)
+
+
+def prepare(body: dict[str, Any]) -> dict[str, Any]:
+    """D's body for a stream that can be migrated: token ids in every chunk, and a seed if it samples."""
+    out = {**body, TOKEN_IDS_FIELD: True}
+    if out.get("seed") is None and out.get("temperature", 1.0) != 0:
+        out["seed"] = secrets.randbits(62)
+    return out
+
+
+@dataclass
+class StreamState:
+    """What the client has received so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text_sent: int = 0
+    resumable: bool = True  # every event so far announced its token ids
+    first_id: str | None = None
+    done: bool = False
+
+
+@dataclass
+class Migration:
+    client: httpx.AsyncClient
+    decodes: InstancePool[Instance]
+    body: dict[str, Any]  # the client's body, as prepare() made it for D
+    path: str
+    budget: int
+    on_outcome: Callable[[str], None] = lambda _outcome: None
+    state: StreamState = field(default_factory=StreamState)
+
+    async def relay(self, d_response: httpx.Response, decode: Instance) -> AsyncIterator[bytes]:
+        """The client's stream: D's events, then (if D dies) another D's, until `[DONE]`."""
+        response: httpx.Response | None = d_response
+        attempts = 0
+        while response is not None:
+            try:
+                async for event in self._events(response):
+                    yield event
+            except httpx.HTTPError as exc:
+                log.warning("decode %s broke mid-stream: %r", decode.url, exc)
+            finally:
+                await response.aclose()
+            if self.state.done:
+                return
+            self.decodes.eject(decode, "its stream broke")
+            response = None
+            while response is None:
+                if not self.state.resumable or attempts >= self.budget:
+                    self.on_outcome("gave_up")
+                    yield _error_event("decode instance died mid-stream; the stream cannot be resumed")
+                    return
+                attempts += 1
+                decode = self.decodes.pick(avoid=decode)
+                response = await self._resume_on(decode)
+            self.on_outcome("resumed")
+
+    async def _resume_on(self, decode: Instance) -> httpx.Response | None:
+        body = {k: v for k, v in self.body.items() if k != "kv_transfer_params"}
+        body[RESUME_FIELD] = {"token_ids": self.state.token_ids, "text_sent": self.state.text_sent}
+        request = self.client.build_request("POST", f"{decode.url}{self.path}", json=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            self.decodes.eject(decode, f"resume failed: {exc!r}")
+            return None
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            log.warning("resume on %s answered %d: %s", decode.url, response.status_code, content[:300])
+            return None
+        return response
+
+    async def _events(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if payload == "[DONE]":
+                self.state.done = True
+                yield b"data: [DONE]\n\n"
+                return
+            yield self._rewrite(payload)
+
+    def _rewrite(self, payload: str) -> bytes:
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            self.state.resumable = False
+            return f"data: {payload}\n\n".encode()
+        if not isinstance(event, dict):
+            self.state.resumable = False
+            return f"data: {payload}\n\n".encode()
+        ids = event.pop(TOKEN_IDS_FIELD, None)
+        if isinstance(ids, list):
+            self.state.token_ids.extend(ids)
+        elif "error" not in event:
+            self.state.resumable = False
+        # One stream, one id: a resumed D names its events as the first D did.
+        if isinstance(event.get("id"), str):
+            self.state.first_id = self.state.first_id or event["id"]
+            event["id"] = self.state.first_id
+        self.state.text_sent += len(_text_of(event))
+        return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def _text_of(event: dict[str, Any]) -> str:
+    choices = event.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    text = choice.get("text")
+    if text is None and isinstance(choice.get("delta"), dict):
+        text = choice["delta"].get("content")
+    return text if isinstance(text, str) else ""
+
+
+def _error_event(message: str) -> bytes:
+    return f"data: {json.dumps(error_body(message, 'decode_died', 502))}\n\n".encode()
