@@ -70,7 +70,7 @@ def test_rolling_restart_of_every_instance_under_load_loses_no_request() -> None
                 t.start()
             try:
                 for n, port in enumerate(ports):
-                    wait_until(lambda: len(results) >= (n + 1) * 40, 120, "requests flowing before the restart")
+                    wait_until(lambda n=n: len(results) >= (n + 1) * 40, 120, "requests flowing before the restart")
                     old = procs[n]
                     os.kill(old.pid, signal.SIGTERM)
                     code = old.popen.wait(timeout=60)
@@ -79,7 +79,7 @@ def test_rolling_restart_of_every_instance_under_load_loses_no_request() -> None
                     restarted.append(new)
                     new.wait_healthy(60)
                     procs[n] = new
-                    wait_until(lambda: _finished(new) > 0, 60, f"restarted {args[n][1]} {n} to serve again")
+                    wait_until(lambda new=new: _finished(new) > 0, 60, f"restarted {args[n][1]} {n} to serve again")
                 wait_until(lambda: len(results) >= MIN_REQUESTS, 180, f"{MIN_REQUESTS} requests answered")
             finally:
                 stop.set()
