@@ -1,0 +1,30 @@
+"""What KVFerryConnector's halves send each other through vLLM (pickled, across processes): the
+scheduler's per-step instructions to the worker, and the worker's failure causes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvferry.connector.pd import PDMetadata
+
+
+@dataclass
+class KVFerryConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler → worker, once per step: kvferry's `PDMetadata` per role."""
+
+    by_role: dict[str, PDMetadata] = field(default_factory=dict)
+
+
+@dataclass
+class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker → scheduler, once per step: why loads failed (request id → (cause, message))."""
+
+    causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        causes = dict(self.causes)
+        if isinstance(other, KVFerryWorkerMetadata):
+            causes.update(other.causes)
+        return KVFerryWorkerMetadata(causes)

@@ -1,0 +1,192 @@
+"""KVFerryConnector's scheduler half, in vLLM's engine core: what vLLM's scheduler asks the connector
+(how many tokens a request's KV brings, what the worker does this step, what to answer when a request
+ends) and what it hears back from the worker (sends ended, loads failed, and why).
+
+vLLM's `Request` and `SchedulerOutput` reach kvferry's `PDConnector` through two small views
+(`RequestLike`, `SchedulerOutputLike`); kv_transfer_params that can never work read as None, logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.connector.pd import KVTransferParamsError, PDConnector, PDMetadata, validate_kv_transfer_params
+from kvferry.connector.router_params import RouterParamsError, normalize_kv_transfer_params
+from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
+from kvferry.integrations.vllm_metrics import KVFerryStats
+from kvferry.integrations.vllm_settings import DECODE, PREFILL
+
+log = logging.getLogger("kvferry.integrations.vllm.scheduler")
+
+_MAX_REMEMBERED = 10_000  # bounded memory of per-request notes (warnings, failure causes)
+
+
+class _RequestView:
+    """A vLLM `Request` as kvferry's `RequestLike`; kv_transfer_params that can never work read as None."""
+
+    __slots__ = ("_request", "_params")
+
+    def __init__(self, request: Any, params: dict[str, Any] | None) -> None:
+        self._request, self._params = request, params
+
+    @property
+    def request_id(self) -> str:
+        return str(self._request.request_id)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self._request.prompt_token_ids or ())
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        return self._params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self._request.num_prompt_tokens)
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self._request.get_finished_reason()
+        return None if reason is None else str(reason)  # vLLM's FinishReason prints "stop", "length", ...
+
+
+@dataclass(frozen=True)
+class _StepView:
+    """A vLLM `SchedulerOutput` as kvferry's `SchedulerOutputLike`."""
+
+    step: int
+    finished_req_ids: set[str]
+
+
+class KVFerryScheduler:
+    """The scheduler half: vLLM's scheduler-side calls on the `PDConnector` of each role this instance
+    runs (`pd`: "prefill", "decode" or both)."""
+
+    def __init__(self, pd: dict[str, PDConnector]) -> None:
+        self.pd = pd
+        self._step = 0
+        self._bad_params: OrderedDict[str, None] = OrderedDict()
+        self.failure_causes: OrderedDict[str, tuple[str, str]] = OrderedDict()  # for logs and tests
+        self._failures = KVFerryStats()  # failures by cause since the last stats report
+        self._transfer_ids: OrderedDict[str, str] = OrderedDict()  # request id → transfer id (for logs)
+        # Requests already told to the prefill side as queued (reported once; forgotten when they finish).
+        self.queued: OrderedDict[str, None] = OrderedDict()
+        self._warned_local = False
+
+    def _view(self, request: Any) -> _RequestView:
+        params = request.kv_transfer_params
+        try:
+            # vllm-router's shapes (NIXL: no transfer_id; Mooncake: http:// bootstrap address) → kvferry's.
+            params = normalize_kv_transfer_params(params, str(request.request_id))
+            validate_kv_transfer_params(params)
+        except (KVTransferParamsError, RouterParamsError) as exc:
+            if request.request_id not in self._bad_params:
+                _remember(self._bad_params, request.request_id, None)
+                log.warning("request %s: kv_transfer_params ignored (%s): %s", request.request_id, exc, params)
+            params = None
+        return _RequestView(request, params)
+
+    # ---- what vLLM's scheduler calls ----------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """vLLM (0.33) added a request to its waiting queue."""
+        self._note_queued(request)
+
+    def _note_queued(self, request: Any) -> None:
+        """P: tell the prefill side that a `do_remote_decode` request is queued (once per request), so
+        its transfer is `working` from now on: a pull for it waits for the prefill and D's heartbeat acks
+        list it, however long P's queue is."""
+        prefill = self.pd.get(PREFILL)
+        if prefill is None or request.request_id in self.queued:
+            return
+        _remember(self.queued, request.request_id, None)  # also for requests without a transfer: looked at once
+        view = self._view(request)
+        if (view.kv_transfer_params or {}).get("do_remote_decode"):
+            prefill.on_request_added(view)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        # The first time vLLM looks at a waiting request: where `on_new_request` does not exist (older vLLM),
+        # this is where P learns its request is queued. Idempotent, as vLLM may call it every step.
+        self._note_queued(request)
+        decode = self.pd.get(DECODE)
+        if decode is None:
+            return 0, False
+        view = self._view(request)
+        if num_computed_tokens > 0 and (view.kv_transfer_params or {}).get("do_remote_prefill"):
+            # kvferry pulls a prompt's blocks from its first block on: with a local prefix-cache hit the
+            # request computes the rest locally, and P's blocks are released when it finishes.
+            return 0, False
+        return decode.get_num_new_matched_tokens(view, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        decode = self.pd.get(DECODE)
+        if decode is None or num_external_tokens == 0:
+            return  # the 2nd call after an async load (0 tokens) and every non-load call
+        (block_ids,) = blocks.get_block_ids()
+        _remember(self._transfer_ids, request.request_id, str((request.kv_transfer_params or {}).get("transfer_id", "")))
+        decode.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVFerryConnectorMetadata:
+        self._step += 1
+        step = _StepView(self._step, set(scheduler_output.finished_req_ids))
+        by_role = {}
+        for r, pd in self.pd.items():
+            meta = pd.build_connector_meta(step)
+            assert isinstance(meta, PDMetadata)
+            # A request that ended before admission is in this step's finished ids AND has a release-only
+            # pull here; PDConnector's worker would start the pull and abort it at once, so P would never
+            # hear of it and keep the blocks until its lease expires. The release IS the abort.
+            meta.finished_req_ids -= {p.request_id for p in meta.to_pull if not p.block_ids}
+            by_role[r] = meta
+        return KVFerryConnectorMetadata(by_role)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.queued.pop(request.request_id, None)  # vLLM calls this once per request: nothing left to report
+        view = self._view(request)
+        params = view.kv_transfer_params or {}
+        if params.get("do_remote_decode") and PREFILL in self.pd:
+            return self.pd[PREFILL].request_finished(view, block_ids)
+        if params.get("do_remote_prefill") and DECODE in self.pd:
+            return self.pd[DECODE].request_finished(view, block_ids)
+        if len(self.pd) == 1 and not self._warned_local:
+            # A P or D that computes whole requests itself is legal, but usually means a router sent P/D
+            # fields vLLM's OpenAI server drops (sglang-router's bootstrap_*): both sides compute everything.
+            self._warned_local = True
+            log.warning("request %s on this %s carried no kv_transfer_params for it: served locally, no KV "
+                        "transfer (a router whose P/D fields vLLM drops, e.g. sglang-router, makes every "
+                        "request do this; logged once)", request.request_id, next(iter(self.pd)))
+        return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        prefill = self.pd.get(PREFILL)
+        sent = getattr(connector_output, "finished_sending", None)
+        if prefill is not None and sent:
+            prefill.transfers_ended(set(sent))  # their transfer_ids are free for another request again
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVFerryWorkerMetadata):
+            for request_id, (cause, message) in meta.causes.items():
+                _remember(self.failure_causes, request_id, (cause, message))
+                self._failures.add(cause)
+                # One structured line per failure (grep "kvferry_kv_load_failed"), in the engine core's log.
+                log.warning("kvferry_kv_load_failed %s", json.dumps(
+                    {"request_id": request_id, "transfer_id": self._transfer_ids.get(request_id, ""),
+                     "cause": cause, "message": message}, sort_keys=True))
+
+    def get_kv_connector_stats(self) -> KVFerryStats | None:
+        """Failures since the last call: vLLM carries them to its /metrics."""
+        if self._failures.is_empty():
+            return None
+        stats, self._failures = self._failures, KVFerryStats()
+        return stats
+
+
+def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > _MAX_REMEMBERED:
+        store.popitem(last=False)
+

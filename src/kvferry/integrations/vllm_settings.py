@@ -1,0 +1,144 @@
+"""KVFerryConnector's settings: the keys of vLLM's `kv_connector_extra_config`, checked once when the
+connector starts (an unknown key, an open host without a secret or a bad fault spec fails fast), and the
+`PDConfig` each role's `PDConnector` gets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.connector.auth import deployment_secret, is_loopback
+from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
+from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
+from kvferry.connector.faults import FaultSpec
+from kvferry.connector.pd import PDConfig
+
+# A child of the integration's logger (kvferry.integrations.vllm): one name to configure for all of it.
+log = logging.getLogger("kvferry.integrations.vllm.settings")
+
+PREFILL, DECODE = "prefill", "decode"
+ROLES = {"kv_producer": (PREFILL,), "kv_consumer": (DECODE,), "kv_both": (PREFILL, DECODE)}
+
+
+def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple[str, ...]:
+    """The kvferry sides (prefill, decode) this vLLM instance runs, or ValueError for a vLLM setup
+    kvferry does not support."""
+    parallel = vllm_config.parallel_config
+    if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size) != (1, 1, 1):
+        raise ValueError("KVFerryConnector supports one worker per engine (tensor, pipeline and data parallel "
+                         "size 1); run one vLLM instance per GPU instead")
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+        raise ValueError("KVFerryConnector supports a single KV cache group (no hybrid allocator)")
+    if kv_role not in ROLES:
+        raise ValueError(f"unsupported kv_role {kv_role!r}")
+    return ROLES[kv_role]
+
+
+@dataclass(frozen=True)
+class KVFerrySettings:
+    """`kv_connector_extra_config` keys (all optional). Unknown keys are rejected, so a typo fails fast."""
+
+    engine_id: str  # default: vLLM's kv_transfer_config.engine_id
+    host: str = "127.0.0.1"  # address P's bootstrap/control/transfer endpoints bind and advertise
+    bootstrap_port: int = 8998
+    abort_timeout_s: float = 30.0  # P frees blocks nobody pulled after this (lease)
+    kv_load_deadline_s: float = 60.0  # D gives up on a pull after this (failure cause "deadline")
+    transfer: str = "tcp"  # "tcp" (built in), "mooncake" or "nixl" (loopback unless insecure)
+    checksums: bool = True
+    faults: str = ""  # fault injection spec (tests, chaos); default: env KVFERRY_FAULTS
+    # D: heartbeat period (P's lease on a pulled transfer is 7 periods) and how long P may stay silent
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.5
+    heartbeat_ceiling_s: float = DEFAULT_CEILING_S  # most a slow P is waited on (liveness adapts up to it)
+    # Copy KV through a host mirror: "auto" when the KV cache is not in host memory (a GPU), "always"
+    # (host memory too: tests), "never" (a KV cache on a device is refused)
+    staging: str = "auto"
+    prefill_allow: tuple[str, ...] = LOOPBACK  # D: the hosts whose bootstrap servers it may pull from
+    insecure: bool = False  # a non-loopback host without KVFERRY_SECRET (as `kvferry serve --insecure`)
+    control_port: int = 0  # P: the ZMQ control socket's fixed port (0: the kernel picks)
+    data_port: int = 0  # the TCP data plane's fixed port (0: the kernel picks)
+    advertise_host: str = ""  # the address peers dial (default: host; required when host is 0.0.0.0)
+
+    KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
+            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "heartbeat_ceiling_s", "staging", "prefill_allow",
+            "insecure", "control_port", "data_port", "advertise_host")
+    STAGING = {"auto": None, "always": True, "never": False}
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any], default_engine_id: str) -> KVFerrySettings:
+        unknown = sorted(set(extra) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"unknown kvferry setting(s) {unknown} in kv_connector_extra_config; known: {cls.KEYS}")
+        settings = cls(
+            engine_id=str(extra.get("engine_id") or default_engine_id),
+            host=str(extra.get("host", os.environ.get("KVFERRY_HOST", "127.0.0.1"))),
+            bootstrap_port=int(extra.get("bootstrap_port", 8998)),
+            abort_timeout_s=float(extra.get("abort_timeout_s", 30.0)),
+            kv_load_deadline_s=float(extra.get("kv_load_deadline_s", 60.0)),
+            transfer=str(extra.get("transfer", "tcp")),
+            checksums=bool(extra.get("checksums", True)),
+            faults=str(extra.get("faults", os.environ.get("KVFERRY_FAULTS", ""))),
+            heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 0.25)),
+            heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", 1.5)),
+            heartbeat_ceiling_s=float(extra.get("heartbeat_ceiling_s", DEFAULT_CEILING_S)),
+            staging=str(extra.get("staging", "auto")),
+            prefill_allow=tuple(str(h) for h in extra.get("prefill_allow", LOOPBACK)),
+            insecure=bool(extra.get("insecure", False)),
+            control_port=int(extra.get("control_port", 0)),
+            data_port=int(extra.get("data_port", 0)),
+            advertise_host=str(extra.get("advertise_host", "")),
+        )
+        if settings.host in ("0.0.0.0", "::") and not settings.advertise_host:
+            raise ValueError(f"host {settings.host} binds every interface: set advertise_host to the address peers dial")
+        PrefillAllowList(settings.prefill_allow)  # raises on a bad entry
+        if not settings.insecure and deployment_secret() is None and not is_loopback(settings.host):
+            raise ValueError(f"host {settings.host} is reachable from other machines and KVFERRY_SECRET is not set: "
+                             "set it on every P and D (docs/security.md), or \"insecure\": true on an isolated network")
+        if settings.insecure and deployment_secret() is None:
+            log.warning("kvferry: insecure: control and data planes on %s are unauthenticated", settings.host)
+        if settings.staging not in cls.STAGING:
+            raise ValueError(f"staging must be one of {sorted(cls.STAGING)}, not {settings.staging!r}")
+        if settings.heartbeat_interval_s <= 0 or settings.heartbeat_timeout_s < 0:
+            raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_timeout_s >= 0")
+        if settings.transfer not in ("tcp", "mooncake", "nixl"):
+            raise ValueError(f"transfer must be 'tcp', 'mooncake' or 'nixl', not {settings.transfer!r}")
+        if settings.transfer == "nixl":
+            check_nixl(settings.host, settings.insecure)
+        FaultSpec.parse(settings.faults)  # raises on a bad spec
+        return settings
+
+    def pd_config(self, role: str, block_size: int) -> PDConfig:
+        return PDConfig(
+            role=role,
+            engine_id=self.engine_id,
+            host=self.host,
+            tp_size=1,  # one vLLM worker process = one kvferry rank
+            block_size=block_size,
+            bootstrap_port=self.bootstrap_port,
+            abort_timeout_s=self.abort_timeout_s,
+            kv_load_deadline_s=self.kv_load_deadline_s,
+            transfer=self.transfer,
+            checksums=self.checksums,
+            faults=FaultSpec.parse(self.faults),
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            heartbeat_ceiling_s=self.heartbeat_ceiling_s,
+            prefill_allow=self.prefill_allow,
+            control_port=self.control_port,
+            data_port=self.data_port,
+            advertise_host=self.advertise_host,
+        )
+
+
+def check_nixl(host: str, insecure: bool) -> None:
+    """As `kvferry serve --transfer nixl`: installed, and loopback unless insecure (docs/security.md)."""
+    # Only when asked for: importing nixl loads UCX, and which build it picks depends on torch being loaded.
+    from kvferry.transfer.nixl import api as nixl_api
+
+    if not nixl_api.available():
+        raise ValueError(f"transfer 'nixl': nixl is not installed ({nixl_api.INSTALL_HINT}): {nixl_api.IMPORT_ERROR}")
+    if not insecure and not is_loopback(host):
+        raise ValueError(f"transfer 'nixl' on host {host}: UCX's listener accepts anyone who reaches it and a UCX peer "
+                         "can write anywhere in the process; use 'tcp', or \"insecure\": true on a trusted network")

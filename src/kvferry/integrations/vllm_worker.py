@@ -1,0 +1,84 @@
+"""KVFerryConnector's worker half, in vLLM's worker (the model runner's process): it hands kvferry the
+KV cache's layout, starts each step's sends and pulls, and tells the scheduler which ended: each
+finished id once per direction, and only ids vLLM still holds (anything else would trip its asserts)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvferry.connector.pd import PDConnector
+from kvferry.integrations.vllm_affinity import connector_affinity, cpu_list
+from kvferry.integrations.vllm_layout import VllmKVLayout
+from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
+from kvferry.integrations.vllm_settings import PREFILL, KVFerrySettings
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvferry.integrations.vllm.worker")
+
+
+class KVFerryWorker:
+    """The worker half: vLLM's worker-side calls on the `PDConnector` of each role this instance runs."""
+
+    def __init__(self, pd: dict[str, PDConnector], settings: KVFerrySettings, block_size: int) -> None:
+        self.pd, self.settings, self.block_size = pd, settings, block_size
+        self.layout: VllmKVLayout | None = None
+        self.connector_cpus: set[int] = set()
+        # ids the scheduler may be told about (each once)
+        self._expect_send: set[str] = set()
+        self._expect_recv: set[str] = set()
+        self._causes: dict[str, tuple[str, str]] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging])
+        # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
+        # CPU worker pins itself to its OMP cores), they would starve behind the model.
+        with connector_affinity() as cpus:
+            for pd in self.pd.values():
+                pd.register_kv_layout(self.layout)
+        self.connector_cpus = cpus
+        log.info("kvferry connector threads run on CPUs %s", cpu_list(cpus))
+
+    def start_load_kv(self, meta: Any) -> None:
+        assert isinstance(meta, KVFerryConnectorMetadata)
+        for r, pd_meta in meta.by_role.items():
+            if r == PREFILL:
+                self._expect_send.update(s.request_id for s in pd_meta.to_send)
+            else:
+                self._expect_recv.update(p.request_id for p in pd_meta.to_pull if p.block_ids)
+            self.pd[r].start_load_kv(pd_meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for pd in self.pd.values():
+            s, r = pd.get_finished(finished_req_ids)
+            sending |= s
+            recving |= r
+            self._causes.update(pd.get_failure_causes())
+        return _once(sending, self._expect_send, "sending"), _once(recving, self._expect_recv, "receiving")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid: set[int] = set()
+        for pd in self.pd.values():
+            invalid |= pd.get_block_ids_with_load_errors()
+        return invalid
+
+    def build_connector_worker_meta(self) -> KVFerryWorkerMetadata | None:
+        if not self._causes:
+            return None
+        causes, self._causes = self._causes, {}
+        return KVFerryWorkerMetadata(causes)
+
+
+def _once(ids: set[str], expected: set[str], direction: str) -> set[str]:
+    """The ids vLLM may be told about, each once; anything else would trip the scheduler's assert."""
+    stale = ids - expected
+    if stale:
+        log.error("kvferry reported finished %s for unknown or already reported request(s) %s: dropped",
+                  direction, sorted(stale))
+    ok = ids & expected
+    expected -= ok
+    return ok
