@@ -91,6 +91,12 @@ def test_a_flipped_bit_fails_the_write_and_counts_nothing(
     assert exc.value.cause is E.PROTOCOL and "authentication" in str(exc.value), exc.value
     assert b.stats["bad_tags"] == 1 and b.stats["accepted_writes"] == 0
     assert b.written(token) == []  # whatever landed is not reported as written
+    if where != "header-token":  # a failed tag poisons the grant it names: its transfer fails (#31)
+        with pytest.raises(TransferError) as exc:
+            a.write(relay.address, token, [op], time.monotonic() + 5)
+        assert exc.value.cause is E.REJECTED, exc.value
+        assert b.close_grant(token) == []
+        token = b.open_grant([ByteRange("dst", 0, 4 * MiB)])
     a.write(relay.address, token, [op], time.monotonic() + 5)  # the next connection is not tampered with
     assert b.written(token) == [ByteRange("dst", 4096, 65536)]
     assert np.array_equal(dst[4096 : 4096 + 65536], src[:65536])

@@ -8,9 +8,12 @@ has a deadline from `Limits`.
 
 Without a secret, a rejected message is answered at once and its payload then drained, so the
 connection stays usable; progress counts as bytes land. With a secret, a message's bytes still land
-as they arrive, but they count as written (grant progress, reply OK) only once its tag verified,
-checked under the grant's lock; a bad tag closes the connection and nothing of that message counts.
-Malformed frames close the connection.
+as they arrive (no staging copy), but they count as written (grant progress, reply OK) only once its
+tag verified, checked under the grant's lock. Until then every range its ops touch is out of what
+the grant reports, even ranges an earlier message verified (these bytes may have overwritten them),
+and for good if the message never verifies (cut, fenced, or still landing when the grant closes).
+A bad tag poisons the whole grant (`Grant.poison`: nothing of it counts, further writes are refused,
+so the transfer fails and D recomputes) and closes the connection. Malformed frames close it too.
 
 Without a secret (on Linux) payload bytes go from the socket straight to their ops' addresses with
 `recvmsg` over an `iovec` table; with one, into memoryviews whose bytes the tag then hashes.
@@ -155,6 +158,7 @@ class Conn(SockIO):
             mac = self.start_tag(head + meta)
             self.drain(payload_len, stop_at, mac)
             if not self.end_tag(mac, self.recv_exact(wire.TAG_BYTES, stop_at)):
+                self._poison(grant)
                 raise BadTag("message failed authentication")
             self.ctx.stats.add("rejected_writes")
             self.reply(wire.Status.REJECTED, code, reason)
@@ -195,8 +199,8 @@ class Conn(SockIO):
         ridx, offs, lens = ops["region"].tolist(), ops["offset"].tolist(), ops["length"].tolist()
         ends = list(itertools.accumulate(lens))  # payload position where each op ends
         n_ops = len(lens)
-        progress = Progress(names, ridx, offs, lens)
         live = self.tags is None  # without a secret, progress counts as bytes land
+        progress = Progress(names, ridx, offs, lens, unverified=not live)
         pos = 0  # payload bytes landed
         i = bisect.bisect_right(ends, 0)  # first incomplete op (skips empty ones)
         with grant.lock:
@@ -283,15 +287,23 @@ class Conn(SockIO):
     ) -> bool:
         """Every byte landed and was hashed as it did: check the tag, and only then count the bytes.
 
-        False when the grant closed meanwhile (nothing counts); BadTag when the tag is wrong.
+        False when the grant closed meanwhile (nothing counts); BadTag when the tag is wrong (the grant
+        is poisoned first).
         """
         ok = self.end_tag(mac, self.recv_exact(wire.TAG_BYTES, stop_at))
         with grant.lock:
             progress.finished = True
+            if not ok:
+                grant.poison()
+                raise BadTag("message failed authentication")
             if not grant.open or not all(r.alive for r in regions):
                 return False
-            if ok:
-                progress.done, progress.partial = len(progress.lens), 0
-        if not ok:
-            raise BadTag("message failed authentication")
+            progress.done, progress.partial, progress.unverified = len(progress.lens), 0, False
         return True
+
+    @staticmethod
+    def _poison(grant: Grant | None) -> None:
+        """A tag failed on a message naming this grant: none of it may count (see `Grant.poison`)."""
+        if grant is not None:
+            with grant.lock:
+                grant.poison()
