@@ -18,6 +18,7 @@ cause, text identical to the colocated answer or not), how long after the fault,
 held right after the answers (vLLM's `num_requests_running`, `num_requests_waiting`,
 `kv_cache_usage_perc`) and when each was back to 0 KV blocks. Every wait has a cap (CAPS), so a cell
 that hangs costs at most that.
+
 The pure part (cells, outcomes, comparison, the table) is in fault_cells.py and unit-tested
 (tests/bench/test_vllm_faults.py); fault_rig.py holds the servers and the network, fault_matrix.py runs
 one cell, and this module the faults in order (FAULT_RUNS: one function per fault key).
