@@ -83,6 +83,9 @@ class Supervised:
     starts processes of their own, which would outlive a signal to the leader alone); else to its pid.
     """
 
+    # What terminate() sends (after SIGCONT).
+    stop_signal = signal.SIGTERM
+
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, *,
                  own_group: bool = False, log_prefix: str = "kvferry-") -> None:
         self.name = name
@@ -123,11 +126,11 @@ class Supervised:
         return ""
 
     def terminate(self) -> None:
-        """Ask the process to exit (SIGTERM; SIGCONT first in case it was stopped). A group is signalled even
-        after its leader exited: what the leader started may still run."""
+        """Ask the process to exit (`stop_signal`; SIGCONT first in case it was stopped). A group is signalled
+        even after its leader exited: what the leader started may still run."""
         if self.own_group or self.popen.poll() is None:
             self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
+            self.signal(self.stop_signal)
 
     def stop(self, timeout: float = 10.0, keep_log: bool = False) -> None:
         """Terminate, wait up to `timeout` s, then SIGKILL (and a group's leftovers); close, and unless
@@ -149,6 +152,10 @@ class Supervised:
 
 class ManagedProcess(Supervised):
     """One `python -m kvferry ...` child; output goes to a temporary log file, stop() is by pid."""
+
+    # `kvferry serve` drains on SIGTERM (it exits once what it holds is served, up to its abort timeout);
+    # the harness stops its children now, as Ctrl-C does. A test of the drain sends SIGTERM itself.
+    stop_signal = signal.SIGINT
 
     def __init__(
         self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
