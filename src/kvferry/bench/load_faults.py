@@ -1,0 +1,167 @@
+"""`kvferry bench load_faults`: the ordinary life of a deployment under load, in the shape of NVIDIA
+Dynamo's published fault table (8 clients x 100 requests; kill -9 of a P, of a D, each restarted after
+5 s), plus a rolling restart (SIGTERM of every instance in turn, each started again at its ports).
+
+proxy + 2 P + 2 D on loopback, every request a stream through the proxy (temperature 0, 24 tokens), and
+an answer counts as ok only when its stream ends with [DONE] and its text equals the fault-free text.
+`recovery_s`: from the fault until the first request sent after it is answered ok (how long new traffic
+is turned away or stalls); `worst_s`: the slowest request of the run. Dynamo's figures (their README):
+P killed 798/800 ok, recovery 42.3 s; their only D killed 200/800."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvferry.bench.report import report
+from kvferry.harness.client import percentile
+from kvferry.harness.processes import ManagedProcess, free_port, wait_all_healthy
+
+LOOPBACK = "127.0.0.1"
+COMMON = ("--host", LOOPBACK, "--seed", "0", "--num-blocks", "1024", "--heartbeat-timeout", "3.0")
+PROMPTS = [f"load fault {i}: " + "kv " * (10 + 7 * i) for i in range(8)]
+MAX_TOKENS = 24
+RESTART_AFTER_S = 5.0
+
+
+@dataclass
+class Result:
+    sent_at: float
+    ok: bool
+    latency_s: float
+    why: str = ""
+
+
+@dataclass
+class _Rig:
+    """proxy + 2 P + 2 D at fixed ports, so a restarted instance comes back where it was."""
+
+    args: list[list[str]] = field(default_factory=list)
+    procs: list[ManagedProcess] = field(default_factory=list)
+    proxy: ManagedProcess | None = None
+
+    def start(self) -> None:
+        for role in ("prefill", "prefill", "decode", "decode"):
+            port = free_port()
+            extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
+            self.args.append(["serve", "--role", role, "--port", str(port), *extra, *COMMON])
+        self.procs = [self._spawn(i) for i in range(4)]
+        port = free_port()
+        urls = [p.url for p in self.procs]
+        self.proxy = ManagedProcess("proxy", ["proxy", "--port", str(port), "--prefill", urls[0], "--prefill", urls[1],
+                                              "--decode", urls[2], "--decode", urls[3], "--health-interval", "0.5"],
+                                    f"http://{LOOPBACK}:{port}")
+        wait_all_healthy([*self.procs, self.proxy], 90)
+
+    def _spawn(self, i: int) -> ManagedProcess:
+        port = self.args[i][self.args[i].index("--port") + 1]
+        return ManagedProcess(f"{self.args[i][2]}{i}", self.args[i], f"http://{LOOPBACK}:{port}")
+
+    def restart(self, i: int) -> None:
+        self.procs[i] = self._spawn(i)
+        wait_all_healthy([self.procs[i]], 90)
+
+    def stop(self) -> None:
+        for proc in [*self.procs, *([self.proxy] if self.proxy else [])]:
+            proc.stop()
+
+
+def _one(http: httpx.Client, url: str, prompt: str) -> tuple[bool, str, str]:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    text, done = [], False
+    try:
+        with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return False, "", f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return False, "", str(event["error"])[:200]
+                    text.append(event["choices"][0]["text"])
+    except httpx.HTTPError as exc:
+        return False, "", repr(exc)
+    return done, "".join(text), "" if done else "no [DONE]"
+
+
+def _run_row(name: str, clients: int, per_client: int, fault: Any) -> dict[str, Any]:
+    rig = _Rig()
+    rig.start()
+    try:
+        assert rig.proxy is not None
+        url = rig.proxy.url
+        with httpx.Client(timeout=120) as http:
+            reference = {p: _one(http, url, p)[1] for p in PROMPTS}
+        results: list[Result] = []
+        lock = threading.Lock()
+
+        def client(k: int) -> None:
+            with httpx.Client(timeout=120) as http:
+                for j in range(per_client):
+                    prompt = PROMPTS[(k + j) % len(PROMPTS)]
+                    sent = time.monotonic()
+                    ok, text, why = _one(http, url, prompt)
+                    ok = ok and text == reference[prompt]
+                    with lock:
+                        results.append(Result(sent, ok, time.monotonic() - sent, why or ("" if ok else "wrong text")))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+        for t in threads:
+            t.start()
+        total = clients * per_client
+        while len(results) < total // 5:  # the fault lands once a fifth of the requests are answered
+            time.sleep(0.01)
+        fault_at = time.monotonic()
+        fault(rig)
+        for t in threads:
+            t.join()
+    finally:
+        rig.stop()
+    after = sorted((r for r in results if r.sent_at >= fault_at and r.ok), key=lambda r: r.sent_at + r.latency_s)
+    recovery = after[0].sent_at + after[0].latency_s - fault_at if after else None
+    latencies = [r.latency_s for r in results]
+    failures = [r.why for r in results if not r.ok]
+    return {"fault": name, "ok": sum(r.ok for r in results), "total": len(results),
+            "recovery_s": None if recovery is None else round(recovery, 3),
+            "p50_s": round(percentile(latencies, 50) or 0.0, 3), "worst_s": round(max(latencies), 3),
+            "first_failure": failures[0] if failures else ""}
+
+
+def _kill_and_restart(index: int) -> Any:
+    def fault(rig: _Rig) -> None:
+        os.kill(rig.procs[index].pid, signal.SIGKILL)
+        rig.procs[index].popen.wait(10)
+        time.sleep(RESTART_AFTER_S)  # the scenario: the instance comes back 5 s later
+        rig.restart(index)
+    return fault
+
+
+def _rolling(rig: _Rig) -> None:
+    for i in range(4):
+        proc = rig.procs[i]
+        os.kill(proc.pid, signal.SIGTERM)  # drains: what it holds is served, then exit 0
+        code = proc.popen.wait(60)
+        if code != 0:
+            raise RuntimeError(f"{proc.name} exited {code} after SIGTERM: {proc.output_tail()}")
+        rig.restart(i)
+
+
+def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
+    clients, per_client = (4, 25) if quick else (8, 100)
+    rows = [
+        _run_row("P kill -9, back after 5 s", clients, per_client, _kill_and_restart(0)),
+        _run_row("D kill -9, back after 5 s", clients, per_client, _kill_and_restart(2)),
+        _run_row("rolling restart (SIGTERM, all 4)", clients, per_client, _rolling),
+    ]
+    report(f"Faults under load: {clients} clients x {per_client} streamed requests, proxy + 2 P + 2 D "
+           "(Dynamo: P killed 798/800 ok, recovery 42.3 s; its only D killed 200/800)", rows, json_path)
+    return rows
