@@ -19,6 +19,7 @@ from kvferry.connector.pd import PDConfig, PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
 from kvferry.transfer.addr import join_addr
+from kvferry.transfer.secret import env_ok, new_secret
 
 MODEL_HELP = f"model: {MODEL_CHOICES_HELP}"
 
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_arguments(sub.add_parser("soak", help="restarts, faults and steady load; fails if fds/threads/RSS/blocks grow"))
     _add_bench(sub)
     _add_model(sub)
+    sub.add_parser("secret", help="print a fresh KVFERRY_SECRET (256 random bits, base64url)")
     for command in sub.choices.values():  # every --help shows each flag's default
         command.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser
@@ -221,7 +223,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvferry.serving.drain import Drain, DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not _check_exposure(args) or not _check_nixl(args):
+    if not env_ok("kvferry serve") or not _check_exposure(args) or not _check_nixl(args):
         return 2
     if args.host in ("0.0.0.0", "::") and not args.advertise_host:
         print(f"kvferry serve: --host {args.host} binds every interface: say which address peers should dial "
@@ -386,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench(args)
     if args.command == "model":
         return model_command(args)
+    if args.command == "secret":
+        print(new_secret())
+        return 0
     return 2
 
 

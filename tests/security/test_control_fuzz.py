@@ -19,7 +19,7 @@ from kvferry.connector.auth import HEADER_BYTES, MAGIC, TO_PREFILL, Sealer
 from kvferry.connector.messages import Heartbeat, PullRequest, Release, encode
 from sealed import Sealed
 
-SECRET = b"the deployment secret"
+SECRET = b"the deployment secret, 128 bits+"
 
 fields = st.fixed_dictionaries({
     "transfer_id": st.text(max_size=40), "d_request_id": st.text(max_size=20),
@@ -56,7 +56,7 @@ def test_forged_control_messages_are_dropped(rig: Rig, payload: bytes, how: str,
     elif how == "bad header":
         data = MAGIC + bytes(HEADER_BYTES - len(MAGIC)) + payload
     else:
-        data = Sealer(b"another secret" if how == "other key" else None, TO_PREFILL).seal(payload)
+        data = Sealer(b"another secret, 128 bits or more" if how == "other key" else None, TO_PREFILL).seal(payload)
         if how == "mangled":  # our own key, one bit flipped after sealing
             sealed = Sealer(SECRET, TO_PREFILL).seal(payload)
             data = sealed[:-1] + bytes([sealed[-1] ^ 1]) if payload else sealed[:20] + bytes([sealed[20] ^ 1]) + sealed[21:]

@@ -35,5 +35,5 @@ def test_fixed_ports_and_advertised_host_end_to_end() -> None:
 
 def test_every_interface_needs_an_advertised_host() -> None:
     run = subprocess.run([sys.executable, "-m", "kvferry", "serve", "--host", "0.0.0.0", "--port", str(free_port())],
-                         env={"KVFERRY_SECRET": "x", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+                         env={"KVFERRY_SECRET": "c2VjcmV0LW9mLWF0LWxlYXN0LTEyOC1iaXRz", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--advertise-host" in run.stderr, run.stderr

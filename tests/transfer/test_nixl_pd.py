@@ -92,6 +92,6 @@ def test_fault_kinds_over_nixl(policy: str) -> None:
 def test_serve_refuses_nixl_off_loopback_without_insecure() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvferry", "serve", "--role", "decode", "--host", "10.255.255.1", "--transfer", "nixl"],
-        capture_output=True, text=True, timeout=60, env={"KVFERRY_SECRET": "s", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60, env={"KVFERRY_SECRET": "c2VjcmV0LW9mLWF0LWxlYXN0LTEyOC1iaXRz", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 2 and "--insecure" in proc.stderr and "UCX" in proc.stderr, proc.stderr

@@ -21,7 +21,7 @@ from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 MiB = 1 << 20
 E = TransferErrorCause
-SECRET = b"relay-me-if-you-can"
+SECRET = b"relay-me-if-you-can, 128 bits+"
 Make = Callable[..., TcpTransferEngine]
 
 

@@ -12,7 +12,7 @@ def test_bench_memcpy_and_tcp_verify_and_report() -> None:
         assert gbps > 0 and cpu >= 0
     for gbps, cpu in bench.bench_tcp(cases, reps=2, div=1, seed=0):
         assert gbps > 0 and cpu > 0
-    modes = bench.bench_tcp_modes(cases, reps=1, div=1, seed=0, modes={"tcp": None, "tcp+auth": "s"})
+    modes = bench.bench_tcp_modes(cases, reps=1, div=1, seed=0, modes={"tcp": None, "tcp+auth": bench.BENCH_SECRET})
     assert all(gbps > 0 for mode in modes.values() for gbps, _ in mode)
 
 
@@ -31,7 +31,7 @@ def test_nixl_rounds_alternate_with_memcpy_and_tcp() -> None:
 
         pytest.skip("nixl not installed")
     out = bench.bench_tcp_modes(
-        [("paged", 16, 1 << 20)], reps=1, div=1, seed=0, modes={"tcp": None, "nixl": "s"}, memcpy=True,
+        [("paged", 16, 1 << 20)], reps=1, div=1, seed=0, modes={"tcp": None, "nixl": bench.BENCH_SECRET}, memcpy=True,
         nixl=frozenset({"nixl"}),
     )
     assert list(out) == ["memcpy", "tcp", "nixl"] and all(r[0][0] > 0 for r in out.values())

@@ -147,9 +147,12 @@ def test_abort_writes_fails_a_pooled_write_at_once_without_a_retry(
     assert a.stats["stale_retries"] == 0 and a.stats["connections_opened"] == 1
 
 
+WRONG, RIGHT = "wrong-secret-0123456789abcdefgh", "right-secret-0123456789abcdefgh"
+
+
 @pytest.mark.parametrize(
     ("client", "server"),
-    [("wrong", "right"), (None, "right"), ("right", None)],
+    [(WRONG, RIGHT), (None, RIGHT), (RIGHT, None)],
     ids=["wrong", "none", "impostor"],
 )
 def test_secret_mismatch_is_refused(engines: MakeEngine, client: str | None, server: str | None) -> None:
@@ -167,7 +170,7 @@ def test_secret_mismatch_is_refused(engines: MakeEngine, client: str | None, ser
 
 
 def test_shared_secret_from_env(engines: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVFERRY_SECRET", "s3cret")
+    monkeypatch.setenv("KVFERRY_SECRET", "s3cret-from-the-env-0123456789")
     a, src = _sender(engines, 1 * MiB)
     b = engines()
     dst = np.zeros(MiB, np.uint8)

@@ -515,7 +515,7 @@ def test_no_secret_no_network_and_the_allow_list(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ValueError, match="KVFERRY_SECRET"):
         KVFerrySettings.from_extra_config({"host": "10.1.2.3"}, "e")
     assert KVFerrySettings.from_extra_config({"host": "10.1.2.3", "insecure": True}, "e").insecure
-    monkeypatch.setenv("KVFERRY_SECRET", "s3cret")
+    monkeypatch.setenv("KVFERRY_SECRET", "c2VjcmV0LW9mLWF0LWxlYXN0LTEyOC1iaXRz")
     settings = KVFerrySettings.from_extra_config({"host": "10.1.2.3", "prefill_allow": ["10.1.2.0/24"]}, "e")
     assert settings.pd_config("decode", 16).prefill_allow == ("10.1.2.0/24",)
     with pytest.raises(ValueError, match="prefill-allow"):
@@ -528,7 +528,7 @@ def test_transfer_nixl_follows_serves_rules(monkeypatch: pytest.MonkeyPatch) -> 
     from kvferry.integrations.vllm import KVFerrySettings
     from kvferry.transfer.nixl import api as nixl_api
 
-    monkeypatch.setenv("KVFERRY_SECRET", "s3cret")
+    monkeypatch.setenv("KVFERRY_SECRET", "c2VjcmV0LW9mLWF0LWxlYXN0LTEyOC1iaXRz")
     if not nixl_api.available():
         with pytest.raises(ValueError, match="nixl is not installed"):
             KVFerrySettings.from_extra_config({"transfer": "nixl"}, "e")

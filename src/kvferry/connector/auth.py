@@ -22,6 +22,8 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
+from kvferry.transfer import secret as secret_rules
+
 MAGIC = b"KVC1"
 TO_PREFILL = 1  # D → P: pulls, heartbeats, releases
 TO_DECODE = 2  # P → D: replies, acks
@@ -44,14 +46,15 @@ def is_loopback(host: str) -> bool:
 
 
 def deployment_secret() -> bytes | None:
-    """The one secret a deployment configures (env KVFERRY_SECRET); None: no authentication."""
-    secret = os.environ.get("KVFERRY_SECRET")
-    return secret.encode() if secret else None
+    """The one secret a deployment configures (env KVFERRY_SECRET); None: no authentication.
+    `secret_rules.WeakSecret` (a ValueError) when it has fewer than 128 bits."""
+    return secret_rules.from_env()
 
 
 def derive(secret: bytes, purpose: str) -> bytes:
-    """A key per purpose, so a MAC from one protocol is never valid in another."""
-    return hmac.new(secret, b"kvferry/v1/" + purpose.encode(), hashlib.sha256).digest()
+    """A key per purpose (HKDF, one label each: `secret_rules.LABELS`), so a MAC from one protocol is
+    never valid in another."""
+    return secret_rules.derive_key(secret, purpose)
 
 
 class Sealer:

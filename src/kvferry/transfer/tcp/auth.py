@@ -3,7 +3,8 @@
 The handshake transcript holds both nonces, both flag bytes, the address the client dialed (as the
 client spells it: the `peer` of `write`) and the address the server advertises (what its
 `TcpTransferEngine.address` returns), both in canonical form. From secret and transcript, HKDF
-(RFC 5869 over HMAC-SHA256; salt = both nonces) derives the two handshake proofs and one tag key per
+(RFC 5869, SHA-256, pyca `cryptography`; salt = both nonces, info = the "tcp" label of
+`transfer.secret` + the transcript's hash) derives the two handshake proofs and one tag key per
 direction. So a proof made for one connection, one listener or one dialed address is worth nothing
 anywhere else: an attacker that P dials and that relays P's handshake to a real kvferry listener
 fails (the listener refuses an address that is not its own, and the proofs cover both addresses),
@@ -14,13 +15,11 @@ and every later message and reply carries a tag under this connection's key and 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import struct
 from dataclasses import dataclass, field
 
+from kvferry.transfer.secret import derive_key
 from kvferry.transfer.tcp import mac, wire
-
-_INFO = b"kvferry/2 data plane "
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +47,10 @@ def transcript(sflags: int, cflags: int, snonce: bytes, cnonce: bytes, dialed: s
 
 
 def derive(secret: bytes, snonce: bytes, cnonce: bytes, record: bytes, gmac: bool) -> Session:
-    prk = hmac.digest(snonce + cnonce, secret, "sha256")  # HKDF-Extract
     th = hashlib.sha256(record).digest()
-
-    def expand(label: bytes) -> bytes:  # HKDF-Expand, one block (32 bytes)
-        return hmac.digest(prk, _INFO + label + th + b"\x01", "sha256")
-
-    return Session(
-        gmac, expand(b"client proof"), expand(b"server proof"), expand(b"c2s tag key"), expand(b"s2c tag key")
-    )
+    okm = derive_key(secret, "tcp", salt=snonce + cnonce, context=b" " + th, length=128)
+    # client proof, server proof, client-to-server tag key, server-to-client tag key
+    return Session(gmac, okm[:32], okm[32:64], okm[64:96], okm[96:])
 
 
 def gmac_flag() -> int:

@@ -203,9 +203,8 @@ class TcpClient:
         base: list[memoryview] = [memoryview(msg.head), *msg.views]
         bufs = list(base)  # bufs[i] is re-sliced after a partial send
         ends = list(itertools.accumulate(len(b) for b in base))
-        addrs, hashed = msg.addrs or [], 1
+        hashed = 1
         if tags is not None:  # the tag covers header + meta + payload, under the next sequence number
-            assert msg.addrs is not None, "planned without auth"
             mac = tags.send
             mac.start(tags.sent)
             tags.sent += 1
@@ -216,7 +215,7 @@ class TcpClient:
             if tags is not None:  # hash the next batch, then send it while it is in cache
                 j = wire.tag_batch_end(ends, i, pos)
                 if j > hashed:
-                    mac.update_pieces(base[hashed:j], addrs[hashed - 1 : j - 1])
+                    mac.update_pieces(base[hashed:j])
                     hashed = j
             sock.settimeout(remaining(deadline))
             sent = sock.sendmsg(bufs[i:j])

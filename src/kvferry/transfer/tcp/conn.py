@@ -218,10 +218,8 @@ class Conn(SockIO):
             base = [mvs[r][o : o + n] for r, o, n in zip(ridx, offs, lens, strict=True)]
         views = list(base)  # views[i] is re-sliced when op i landed partially
         mac, hashed = None, 0  # with a secret: ops[:hashed] are in the tag's running hash
-        plist: list[int] = []
         if not live:
             mac = self.start_tag(head)
-            plist = ptrs.tolist()
         sock = self.sock
         fenced = False
         try:
@@ -258,7 +256,7 @@ class Conn(SockIO):
                         if live:
                             progress.done, progress.partial = i, partial
                         elif mac is not None and i > hashed:  # ops that just landed are in cache: hash now
-                            mac.update_pieces(base[hashed:i], plist[hashed:i])
+                            mac.update_pieces(base[hashed:i])
                             hashed = i
             except (Eof, Stall, OSError):
                 self.ctx.stats.add("incomplete_writes")

@@ -15,11 +15,11 @@ an authenticated message counts as written only once its tag verified.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvferry.transfer import secret as secret_rules
 from kvferry.transfer.addr import join_addr
 from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.grants import GrantTable
@@ -42,9 +42,8 @@ class TcpTransferEngine(TransferEngine):
     ) -> None:
         """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind); port 0
         there means the bound port."""
-        if secret is None:
-            secret = os.environ.get("KVFERRY_SECRET") or None
-        key = (secret.encode() if isinstance(secret, str) else secret) or None
+        # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything listens.
+        key = secret_rules.from_env() if secret is None else (secret_rules.check_secret(secret) if secret else None)
         self._auth = key is not None
         self._regions = RegionTable()
         self._grants = GrantTable(self._regions)

@@ -28,7 +28,6 @@ class Message:
     head: bytes
     views: list[memoryview]  # empty when `iov` is set
     payload: int
-    addrs: list[int] | None = None  # with auth: where each view's bytes start in memory (for the tag)
     # Without auth (on Linux): rows (address, length), the head first, then each op's source bytes;
     # `keep` holds the source buffers alive for as long as the message may be sent.
     iov: np.ndarray | None = None
@@ -107,7 +106,6 @@ def plan(
     if len(ln) and int(ln.max()) > max_bytes:
         so, do, ln, sid, did = _cut(so, do, ln, sid, did, max_bytes)
     ttl_ms = max(0, min(int((deadline - time.monotonic()) * 1000) + 1, 0xFFFFFFFF))
-    addrs = np.array([r.addr for r in src], np.int64)[sid] + so if auth else None
     by_addr = not auth and iovec.AVAILABLE  # no Python object per op (the tag path hashes views)
     ptrs = np.array([r.addr for r in src], np.uint64)[sid] + so.astype(np.uint64) if by_addr else None
     messages = []
@@ -130,8 +128,5 @@ def plan(
         else:
             mvs = [r.view for r in src]
             views = [mvs[s][o : o + k] for s, o, k in zip(sid[a:b].tolist(), offs, lens, strict=True)]
-        msg = Message(head + meta, views, payload)
-        if addrs is not None:
-            msg.addrs = addrs[a:b].tolist()
-        messages.append(msg)
+        messages.append(Message(head + meta, views, payload))
     return messages

@@ -6,7 +6,6 @@ Nothing is allocated for a frame before its bytes arrive: `recv_grow` grows with
 
 from __future__ import annotations
 
-import ctypes
 import select
 import socket
 import time
@@ -33,7 +32,6 @@ class SockIO:
         self._poll_in = select.poll()
         self._poll_in.register(sock, _POLL_IN)
         self._scratch: memoryview | None = None  # for draining rejected payloads, made on first use
-        self._scratch_addr = 0
 
     # -- low level ------------------------------------------------------------------------------
     def wait(self, deadline: float) -> None:
@@ -85,9 +83,7 @@ class SockIO:
 
     def drain(self, n: int, deadline: float, mac: Mac | None = None) -> None:
         if self._scratch is None:
-            raw = bytearray(_SCRATCH)
-            self._scratch_addr = ctypes.addressof((ctypes.c_char * _SCRATCH).from_buffer(raw))
-            self._scratch = memoryview(raw)
+            self._scratch = memoryview(bytearray(_SCRATCH))
         while n > 0:
             self.wait(deadline)
             try:
@@ -97,5 +93,5 @@ class SockIO:
             if k == 0:
                 raise Eof()
             if mac is not None:
-                mac.update_at(self._scratch_addr, k)
+                mac.update(self._scratch[:k])
             n -= k
