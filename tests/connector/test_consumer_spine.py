@@ -16,11 +16,10 @@ import pytest
 import zmq
 
 from kvferry.connector.auth import TO_DECODE, TO_PREFILL, Opener, Sealer
-from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.pulls import ConsumerConfig, PullMeta, PullSpec
-from kvferry.connector.layout import PagedKVLayout, overlap, write_ops
+from kvferry.connector.layout import KVCacheSpec, PagedKVLayout, overlap, write_ops
 from kvferry.connector.messages import PullRequest, PullResponse, Status, decode_inbound, encode
 from kvferry.connector.metrics import Metrics
 from kvferry.transfer.tcp.engine import TcpTransferEngine

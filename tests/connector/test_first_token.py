@@ -9,12 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.layout import PagedKVLayout
+from kvferry.connector.layout import KVCacheSpec, PagedKVLayout
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer

@@ -16,10 +16,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.layout import PagedKVLayout
+from kvferry.connector.layout import KVCacheSpec, PagedKVLayout
 from kvferry.connector.messages import MAX_FRAME_BYTES, PullRequest, Release, Status, decode_response, encode
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer

@@ -10,12 +10,11 @@ import time
 
 import numpy as np
 
-from kvferry.connector.base import KVCacheSpec
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.layout import PagedKVLayout
+from kvferry.connector.layout import KVCacheSpec, PagedKVLayout
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer
 from kvferry.transfer.tcp.engine import TcpTransferEngine

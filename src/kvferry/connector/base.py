@@ -11,10 +11,11 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from kvferry.connector.layout import KVCacheSpec
 
 if TYPE_CHECKING:
     from kvferry.connector.messages import FirstToken
@@ -44,6 +45,10 @@ class RequestLike(Protocol):
     def finish_reason(self) -> str | None:
         """"stop" / "length" once finished normally; "abort" / "error" otherwise; None while live."""
 
+    @property
+    def first_token(self) -> FirstToken | None:
+        """The token sampled after the prompt, and how (None before it, or where the host keeps no such record)."""
+
 
 class SchedulerOutputLike(Protocol):
     """What the connector reads of one scheduler step."""
@@ -53,48 +58,6 @@ class SchedulerOutputLike(Protocol):
 
     @property
     def finished_req_ids(self) -> set[str]: ...
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Layout of the paged KV cache: ONE float32 array of shape
-    `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`, C-contiguous.
-
-    A block is one contiguous run of `block_bytes`; within it, the heads of one (layer, K|V) pair are
-    contiguous, so a tensor-parallel rank that owns heads [h0, h1) of a block is `num_layers * 2` runs.
-    """
-
-    num_blocks: int
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
-    head_dim: int
-    itemsize: int = 4
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_blocks, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
-
-    @property
-    def head_bytes(self) -> int:
-        return self.block_size * self.head_dim * self.itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_bytes
-
-    def head_runs(self, block_id: int, h0: int, h1: int) -> list[tuple[int, int]]:
-        """(offset, length) byte runs of heads [h0, h1) in `block_id`, in order."""
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
-        if h0 == 0 and h1 == self.num_kv_heads:
-            return [(block_id * self.block_bytes, self.block_bytes)]
-        runs = []
-        per_kv = self.num_kv_heads * self.head_bytes
-        base = block_id * self.block_bytes
-        for i in range(self.num_layers * 2):
-            runs.append((base + i * per_kv + h0 * self.head_bytes, (h1 - h0) * self.head_bytes))
-        return runs
 
 
 class AdmissionError(ValueError):

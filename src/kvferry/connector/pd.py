@@ -18,7 +18,6 @@ from kvferry.connector.base import (
     AdmissionError,
     ConnectorMetadata,
     ConnectorRole,
-    KVCacheSpec,
     KVConnector,
     RequestLike,
     SchedulerOutputLike,
@@ -34,11 +33,10 @@ from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.layout import KVLayout, PagedKVLayout
+from kvferry.connector.layout import KVCacheSpec, KVLayout, PagedKVLayout
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer
-from kvferry.engine.request import Request
 from kvferry.transfer.addr import join_addr
 from kvferry.transfer.base import TransferEngine
 from kvferry.transfer.engines import new_engine
@@ -254,7 +252,7 @@ class PDConnector(KVConnector):
             return False, None
         self._lent[request.request_id] = transfer_id
         self._to_send.append(SendSpec(transfer_id, request.request_id, list(block_ids), request.num_prompt_tokens,
-                                      self._digest(request), _first_token(request)))
+                                      self._digest(request), request.first_token))
         return True, {
             "do_remote_prefill": True,
             "transfer_id": transfer_id,
@@ -376,10 +374,3 @@ class PDConnector(KVConnector):
         for engine in self.transfer_engines:
             engine.close()
 
-
-def _first_token(request: RequestLike) -> FirstToken | None:
-    """What P sampled after the prompt, and how (kvferry's own requests; a vLLM request view has none)."""
-    if not isinstance(request, Request) or not request.output_token_ids:
-        return None
-    params = request.sampling_params
-    return FirstToken(request.output_token_ids[0], params.temperature, params.seed)

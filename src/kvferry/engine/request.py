@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.connector.messages import FirstToken
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -98,3 +100,10 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+    @property
+    def first_token(self) -> FirstToken | None:
+        """What P sampled after the prompt, and how: D emits it instead of computing that position again."""
+        if not self.output_token_ids:
+            return None
+        return FirstToken(self.output_token_ids[0], self.sampling_params.temperature, self.sampling_params.seed)

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.connector.messages import FirstToken
 from kvferry.connector.pd import KVTransferParamsError, PDConnector, PDMetadata, validate_kv_transfer_params
 from kvferry.connector.router_params import RouterParamsError, normalize_kv_transfer_params
 from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
@@ -53,6 +54,10 @@ class _RequestView:
     def finish_reason(self) -> str | None:
         reason = self._request.get_finished_reason()
         return None if reason is None else str(reason)  # vLLM's FinishReason prints "stop", "length", ...
+
+    @property
+    def first_token(self) -> FirstToken | None:
+        return None  # vLLM's D samples its first token itself: nothing for P to hand over
 
 
 @dataclass(frozen=True)
