@@ -11,7 +11,6 @@ dies of one bad item: it answers that item with ERROR, logs, counts and goes on.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -19,15 +18,14 @@ import numpy as np
 import zmq
 
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.layout import KVLayout, d_ranks_for, overlap, write_ops
-from kvferry.connector.messages import FirstToken, PullRequest
+from kvferry.connector.layout import KVLayout, d_ranks_for
+from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.prefill.rank_loop import SCRATCH_REGION, RankLoop
+from kvferry.connector.prefill.rank_loop import RankLoop
 from kvferry.connector.prefill.senders import PeerSenders
-from kvferry.connector.prefill.transfers import TransferTable, Write
-from kvferry.transfer.base import TransferEngine, WriteOp
-
-log = logging.getLogger(__name__)
+from kvferry.connector.prefill.transfers import TransferTable
+from kvferry.connector.prefill.writes import SCRATCH_REGION, RankShared
+from kvferry.transfer.base import TransferEngine
 
 
 class Producer:
@@ -51,7 +49,6 @@ class Producer:
         self.tp_size = len(engines)
         self.engines = engines
         self.abort_timeout_s = abort_timeout_s
-        self.faults = faults
         self.metrics = metrics
         self._scratch = np.frombuffer(b"\xa5" * 64, dtype=np.uint8).copy()
         for engine in engines:
@@ -60,27 +57,38 @@ class Producer:
             engine.register(SCRATCH_REGION, self._scratch)
         self.table = TransferTable(abort_timeout_s, metrics, self._pairs)
         self._stop = threading.Event()
-        self._in_step = False
+        self._in_step = threading.Event()
         self._ctx = zmq.Context()
         self.senders = PeerSenders("kv-send")
-        self._ranks = [RankLoop(self, rank, host, control_port and control_port + rank, advertise_host or host)
+        # The loops get exactly what they use, never the producer itself.
+        self._shared = RankShared(self._ctx, self._stop, self._in_step, secret, layout, engines, self.table,
+                                  self.senders, faults, metrics, abort_timeout_s)
+        self._ranks = [RankLoop(self._shared, rank, host, control_port and control_port + rank, advertise_host or host)
                        for rank in range(self.tp_size)]
         self.control_addrs = [r.address for r in self._ranks]  # advertised
         self.control_bound = [r.bound for r in self._ranks]
         for r in self._ranks:
             r.start()
 
+    @property
+    def faults(self) -> FaultSpec:
+        return self._shared.faults
+
+    @faults.setter
+    def faults(self, faults: FaultSpec) -> None:
+        self._shared.faults = faults  # the loops read it per pull: takes effect at once
+
     # ---- engine thread ----------------------------------------------------------------------------
     def step_started(self) -> None:
         """The engine is inside a step: a request sent to P meanwhile may still sit in its queue."""
-        self._in_step = True
+        self._in_step.set()
 
     def step_ended(self) -> None:
-        self._in_step = False
+        self._in_step.clear()
 
     @property
     def in_step(self) -> bool:
-        return self._in_step
+        return self._in_step.is_set()
 
     def add_working(self, transfer_id: str, request_id: str) -> None:
         """P queued the request: pulls for it wait for the prefill, however long it takes."""
@@ -112,31 +120,7 @@ class Producer:
         for r in self._ranks:
             r.wake()
 
-    def cancel(self, writes: list[Write]) -> None:
-        """Writes whose lease ran out: make them fail now (their D stopped heartbeating)."""
-        # Each write by its grant: a healthy transfer's write to the same D must go on (and one that
-        # starts after this sweep is never cut by it).
-        for w in writes:
-            log.debug("lease lost: cancelling the write of P rank %d to %s for %s", w.p_rank, w.peer, w.transfer_id)
-            self.engines[w.p_rank].abort_writes(w.peer, w.token)
-
     def _pairs(self, d_tp: int) -> set[tuple[int, int]]:
         """(P rank, D rank) pairs that share heads: a transfer is done when each was served."""
         heads = self.layout.num_kv_heads
         return {(p, d) for p in range(self.tp_size) for d in d_ranks_for(heads, self.tp_size, p, d_tp)}
-
-    # ---- send threads -------------------------------------------------------------
-    def plan_write(
-        self, block_ids: list[int], pull: PullRequest, p_rank: int, num_blocks: int | None = None
-    ) -> tuple[list[WriteOp], list[int]]:
-        """Ops for the first `num_blocks` blocks (default all), and the checksums of all of them."""
-        heads = overlap(self.layout.num_kv_heads, self.tp_size, p_rank, pull.d_tp_size, pull.d_tp_rank)
-        assert heads is not None
-        src = block_ids[: len(pull.block_ids)]
-        n = len(src) if num_blocks is None else num_blocks
-        self.layout.stage_out(src)
-        ops = write_ops(self.layout, src[:n], pull.block_ids[:n], heads, pull.d_num_blocks, pull.d_layout)
-        checksums = [self.layout.checksum(b, heads) for b in src] if pull.want_checksums else []
-        return ops, checksums
-
-

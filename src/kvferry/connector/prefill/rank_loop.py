@@ -19,7 +19,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -42,15 +41,12 @@ from kvferry.connector.messages import (
     salvage_ids,
 )
 from kvferry.connector.prefill.transfers import NOT_READY_MSG, Write
+from kvferry.connector.prefill.writes import RankShared, RankWriter
+from kvferry.connector.prefill.writes import response as _response
 from kvferry.transfer.addr import canonical_addr, join_addr
-from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
-
-if TYPE_CHECKING:
-    from kvferry.connector.prefill.producer import Producer
 
 log = logging.getLogger(__name__)
 
-SCRATCH_REGION = "scratch"  # source of the bytes the `corrupt` fault writes
 POLL_S = 0.05  # the longest one turn waits for a message
 
 
@@ -64,12 +60,12 @@ class Parked:
 
 
 class RankLoop(threading.Thread):
-    def __init__(self, producer: Producer, rank: int, host: str, port: int, advertise_host: str) -> None:
+    def __init__(self, shared: RankShared, rank: int, host: str, port: int, advertise_host: str) -> None:
         super().__init__(name=f"kv-producer-rank{rank}", daemon=True)
-        self.p = producer
+        self.shared = shared
         self.rank = rank
-        self.engine = producer.engines[rank]
-        self.sock = producer._ctx.socket(zmq.ROUTER)
+        self.writer = RankWriter(shared, rank)
+        self.sock = shared.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # Up to this size every message gets its own answer (ERROR if over MAX_MESSAGE_BYTES).
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -83,8 +79,8 @@ class RankLoop(threading.Thread):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._outbox: deque[tuple[bytes, PullResponse | HeartbeatAck]] = deque()
-        self._sealer = Sealer(producer.secret, TO_DECODE)
-        self._opener = Opener(producer.secret, TO_PREFILL)
+        self._sealer = Sealer(shared.secret, TO_DECODE)
+        self._opener = Opener(shared.secret, TO_PREFILL)
         self._parked: list[Parked] = []
         self._last_turn = time.monotonic()
 
@@ -103,7 +99,7 @@ class RankLoop(threading.Thread):
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)  # pyzmq reports plain sockets by fd
         try:
-            while not self.p._stop.is_set():
+            while not self.shared.stop.is_set():
                 self._guard("poll", lambda: self._turn(poller))
         finally:
             self.sock.close(0)
@@ -128,16 +124,24 @@ class RankLoop(threading.Thread):
         self._retry_parked()
         self._flush()
         if self.rank == 0:
-            self._guard("lease sweep", lambda: self.p.cancel(self.p.table.expire(polled - overrun)))
+            self._guard("lease sweep", lambda: self._cancel(self.shared.table.expire(polled - overrun)))
+
+    def _cancel(self, writes: list[Write]) -> None:
+        """Writes whose lease ran out: make them fail now (their D stopped heartbeating)."""
+        # Each write by its grant: a healthy transfer's write to the same D must go on (and one that
+        # starts after this sweep is never cut by it).
+        for w in writes:
+            log.debug("lease lost: cancelling the write of P rank %d to %s for %s", w.p_rank, w.peer, w.transfer_id)
+            self.shared.engines[w.p_rank].abort_writes(w.peer, w.token)
 
     def _guard(self, what: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None = None) -> None:
         try:
             fn()
         except Exception as exc:
-            if self.p._stop.is_set():
+            if self.shared.stop.is_set():
                 return
             log.exception("producer rank %d: %s failed (the loop goes on)", self.rank, what)
-            self.p.metrics.producer_errors.inc()
+            self.shared.metrics.producer_errors.inc()
             if on_error is not None:
                 with contextlib.suppress(Exception):
                     on_error(exc)
@@ -165,7 +169,7 @@ class RankLoop(threading.Thread):
                 tid, rid = salvage_ids(frames[1]) if len(frames) > 1 else ("", "")
                 self.reply(frames[0], PullResponse(Status.ERROR, rid, tid, err_msg="expected exactly one frame"))
             elif frames:
-                self.p.metrics.control_auth_failures.labels(side="prefill").inc()
+                self.shared.metrics.control_auth_failures.labels(side="prefill").inc()
             return
         identity, sealed = frames
         try:
@@ -174,7 +178,7 @@ class RankLoop(threading.Thread):
             # A stranger's message touches no transfer and gets no answer (an answer would tell it
             # which ids exist); without a secret the loopback peer is told what was wrong.
             if self._opener.authenticated:
-                self.p.metrics.control_auth_failures.labels(side="prefill").inc()
+                self.shared.metrics.control_auth_failures.labels(side="prefill").inc()
                 log.warning("producer rank %d: control message dropped: %s", self.rank, exc)
             else:
                 self.reply(identity, PullResponse(Status.ERROR, err_msg=f"malformed message: {exc}"))
@@ -194,20 +198,20 @@ class RankLoop(threading.Thread):
 
     def _dispatch(self, identity: bytes, message: Inbound) -> None:
         if isinstance(message, Heartbeat):
-            unknown, working = self.p.table.renew(message.transfer_ids, message.lease_s, time.monotonic())
+            unknown, working = self.shared.table.renew(message.transfer_ids, message.lease_s, time.monotonic())
             self.reply(identity, HeartbeatAck(unknown, working))
         elif isinstance(message, Release):
-            self.p.table.release(message.transfer_ids, time.monotonic())
+            self.shared.table.release(message.transfer_ids, time.monotonic())
         else:
             self._on_pull(identity, message, time.monotonic())
 
     def _invalid(self, pull: PullRequest) -> str | None:
-        spec = self.p.layout
+        spec = self.shared.layout
         if pull.d_tp_size < 1 or spec.num_kv_heads % pull.d_tp_size:
             return f"D tp_size {pull.d_tp_size} does not divide {spec.num_kv_heads} KV heads"
         if not 0 <= pull.d_tp_rank < pull.d_tp_size:
             return f"D tp_rank {pull.d_tp_rank} out of range"
-        if overlap(spec.num_kv_heads, self.p.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank) is None:
+        if overlap(spec.num_kv_heads, len(self.shared.engines), self.rank, pull.d_tp_size, pull.d_tp_rank) is None:
             return f"D rank {pull.d_tp_rank} shares no KV heads with P rank {self.rank}"
         if pull.block_ids and len(pull.block_ids) != -(-pull.num_tokens // spec.block_size):
             return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens"
@@ -232,7 +236,7 @@ class RankLoop(threading.Thread):
             return
         # One spelling per peer ("018610" and "18610" are one D): one send thread, one connection pool.
         pull = msgspec.structs.replace(pull, d_transfer_addr=addr)
-        fault = self.p.faults.fault_for(pull.transfer_id)
+        fault = self.shared.faults.fault_for(pull.transfer_id)
         if fault == "error_reply":
             self.reply(identity, _response(pull, Status.ERROR, err_msg="injected error reply", injected=True))
             return
@@ -240,7 +244,7 @@ class RankLoop(threading.Thread):
             msg = "injected: P lists the request as failed"
             self.reply(identity, _response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=msg, injected=True))
             return
-        v = self.p.table.begin_pull(pull, self.rank, now, park=fault == "p_not_ready", drop=fault == "drop_reply")
+        v = self.shared.table.begin_pull(pull, self.rank, now, park=fault == "p_not_ready", drop=fault == "drop_reply")
         if v.kind == "ended":  # a late pull: P already let this transfer go; say so now, not at a timeout
             if pull.block_ids:
                 self.reply(identity, _response(pull, Status.ERROR, cause="expired",
@@ -254,7 +258,7 @@ class RankLoop(threading.Thread):
         elif v.kind == "released":
             self.reply(identity, _response(pull, Status.FINISH))
         elif v.kind == "park":
-            self._parked.append(Parked(identity, pull, now + self.p.abort_timeout_s))
+            self._parked.append(Parked(identity, pull, now + self.shared.abort_timeout_s))
         elif v.kind == "write":
             assert v.write is not None
             self.reply(identity, _response(pull, Status.CONTINUE))
@@ -263,11 +267,11 @@ class RankLoop(threading.Thread):
 
     def _submit(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None,
                 first_token: FirstToken | None = None) -> None:
-        job = functools.partial(self._serve, identity, pull, w, blocks, fault, first_token)
+        job = functools.partial(self.writer.serve, self.reply, identity, pull, w, blocks, fault, first_token)
         try:
-            self.p.senders.submit(f"{self.rank}/{pull.d_transfer_addr}", job)
+            self.shared.senders.submit(f"{self.rank}/{pull.d_transfer_addr}", job)
         except Exception:
-            self.p.table.write_done(w, failed=True)
+            self.shared.table.write_done(w, failed=True)
             raise
 
     def _retry_parked(self) -> None:
@@ -284,74 +288,21 @@ class RankLoop(threading.Thread):
 
     def _retry(self, item: Parked, now: float) -> None:
         pull = item.pull
-        state = self.p.table.parked_state(pull.transfer_id)
-        if self.p.faults.fault_for(pull.transfer_id) == "p_not_ready":
+        state = self.shared.table.parked_state(pull.transfer_id)
+        if self.shared.faults.fault_for(pull.transfer_id) == "p_not_ready":
             state = "waiting"  # the injected fault: P never gets ready
         if state == "settled":
             self._on_pull(item.identity, pull, now)  # served, or answered why it cannot be
-        elif state == "working" or self.p.in_step:
+        elif state == "working" or self.shared.in_step.is_set():
             # P is on it, or its engine is inside a step and may not have taken the request in yet:
             # the abort timeout counts only while P could know. D's own deadline bounds the wait.
-            item.deadline = now + self.p.abort_timeout_s
+            item.deadline = now + self.shared.abort_timeout_s
             self._parked.append(item)
         elif now >= item.deadline:
             self.reply(item.identity, _response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=NOT_READY_MSG))
-            self.p.table.give_up(pull.transfer_id)
+            self.shared.table.give_up(pull.transfer_id)
         else:
             self._parked.append(item)
-
-    # ---- send threads -----------------------------------------------------------------------------
-    def _serve(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None,
-               first_token: FirstToken | None = None) -> None:
-        """Runs on the peer's send thread: checksums, the data-plane write, then the reply."""
-        if not self.p.table.write_wanted(w):
-            self.p.table.write_done(w, failed=True)
-            self.reply(identity, _response(pull, Status.ERROR, cause="expired", err_msg="lease lost before the write started"))
-            return
-        started = time.monotonic()
-        deadline = started + self.p.abort_timeout_s
-        checksums: list[int] = []
-        try:
-            # The injected `transport` fault breaks the data plane after half of the blocks.
-            upto = len(pull.block_ids) // 2 if fault == "transport" else None
-            ops, checksums = self.p.plan_write(blocks, pull, self.rank, upto)
-            if self.p.faults.slow_ms:
-                self._slow(w, self.p.faults.slow_ms / 1000)
-            self.engine.write(pull.d_transfer_addr, pull.grant_token, ops, deadline)
-            if fault == "transport":
-                raise TransferError(TransferErrorCause.RESET, "injected: data plane broke after part of the blocks")
-            if fault == "corrupt":
-                mid = ops[len(ops) // 2]
-                flip = WriteOp(SCRATCH_REGION, 0, mid.dst_region, mid.dst_offset + mid.length // 2, 8)
-                self.engine.write(pull.d_transfer_addr, pull.grant_token, [flip], deadline)
-        except TransferError as exc:
-            self.p.table.write_done(w, failed=True)
-            self.reply(identity, _response(pull, Status.ERROR, err_msg=f"transport: {exc}", checksums=checksums,
-                                           cause="transport", injected=fault == "transport"))
-            return
-        except Exception as exc:  # never let a send thread die silently
-            log.exception("serving pull %s failed", pull.transfer_id)
-            self.p.metrics.producer_errors.inc()
-            self.p.table.write_done(w, failed=True)
-            self.reply(identity, _response(pull, Status.ERROR, err_msg=f"P internal error: {exc!r}"))
-            return
-        nbytes = sum(op.length for op in ops)
-        self.p.metrics.kv_transfers.inc()
-        self.p.metrics.kv_transfer_bytes.inc(nbytes)
-        self.p.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
-        self.p.table.write_done(w, failed=False)
-        self.reply(identity, _response(pull, Status.FINISH, ok_reqs=[pull.d_request_id], checksums=checksums,
-                                       bytes_written=nbytes, first_token=first_token))
-
-
-    def _slow(self, w: Write, seconds: float) -> None:
-        """The injected `slow` fault: a write that takes `seconds`, cancelled like a real one when
-        D's lease runs out."""
-        end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0:
-            if not self.p.table.write_wanted(w):
-                raise TransferError(TransferErrorCause.RESET, "write cancelled: D's lease ran out")
-            time.sleep(min(left, 0.02))
 
 
 def _normal_addr(addr: str) -> str | None:
@@ -372,6 +323,3 @@ def _normal_addr(addr: str) -> str | None:
         named = any(c.isalpha() for c in bare) and not bare.lower().startswith("0x")
         return canon if named and all(c.isalnum() or c in "-." for c in bare) else None
 
-
-def _response(pull: PullRequest, status: Status, **kw: object) -> PullResponse:
-    return PullResponse(status, pull.d_request_id, pull.transfer_id, **kw)  # type: ignore[arg-type]
