@@ -22,6 +22,7 @@ import zmq.asyncio
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo, PrefillAllowList
 from kvferry.connector.decode.dealer import Dealer
 from kvferry.connector.decode.liveness import DelayEstimator
+from kvferry.connector.decode.progress import Landed, p_working_since, stall_stage
 from kvferry.connector.decode.pulls import (
     LEASE_HEARTBEATS,
     ConsumerConfig,
@@ -41,9 +42,10 @@ from kvferry.connector.messages import (
     encode,
 )
 from kvferry.connector.metrics import Metrics
-from kvferry.transfer.base import TransferEngine, covered
+from kvferry.transfer.base import TransferEngine
 
 log = logging.getLogger(__name__)
+
 
 class PullTooLarge(ValueError):
     """A pull D must not send: over the control-message limit."""
@@ -72,6 +74,7 @@ class Consumer:
             for name, buffer in layout.regions().items():
                 engine.register(name, buffer)
         self.outbox = Outbox()
+        self._landed = Landed(layout, engines)
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers: dict[tuple[int, str], Dealer] = {}
         self._ctx = zmq.asyncio.Context()
@@ -99,8 +102,7 @@ class Consumer:
             self.loop.call_soon_threadsafe(self._abort, ids)
 
     def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
-        finished, invalid, causes = self.outbox.drain()
-        return finished, invalid, causes
+        return self.outbox.drain()
 
     def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
         """`drain` and the first tokens P sampled for the pulls that finished."""
@@ -145,9 +147,8 @@ class Consumer:
                 self._send_pulls(pull, info)
                 await self._await_replies(pull)
         except TimeoutError:
-            self._handle_failed_recv(
-                [pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s ({self._stage(pull)})"
-            )
+            stage = stall_stage(pull, self._dealers, self.loop.time())
+            self._handle_failed_recv([pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s ({stage})")
         except BootstrapError as exc:
             self._handle_failed_recv([pull], "bootstrap", str(exc))
         except PullTooLarge as exc:
@@ -225,7 +226,7 @@ class Consumer:
                 waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
-                working = self._p_working_since(pull)
+                working = p_working_since(pull, self._dealers)
                 if working is not None and working + self.config.recv_timeout_s > self.loop.time():
                     # P still has the request queued or prefilling: only our own deadline bounds this.
                     deadline = working + self.config.recv_timeout_s
@@ -237,35 +238,6 @@ class Consumer:
             for future in done:
                 self._on_response(pull, waiting.pop(future), future.result())
 
-    def _stage(self, pull: PullMeta) -> str:
-        """Where a pull stands, for the deadline's message: a stall names its stage, not just its age."""
-        if not pull.tasks:
-            return f"P's bootstrap server at {pull.spec.bootstrap_addr} never answered"
-        now, key, stages = self.loop.time(), (pull.spec.transfer_id, pull.request_id), []
-        for t in pull.tasks:
-            dealer = self._dealers.get((t.d_rank, t.control_addr))
-            if t.done:
-                stages.append(f"P rank {t.p_rank}: done")
-            elif dealer is None:
-                stages.append(f"P rank {t.p_rank}: no connection")
-            elif key in dealer.writing_since:
-                stages.append(f"P rank {t.p_rank}: writing for {now - dealer.writing_since[key]:.1f}s")
-            elif key[0] in dealer.working_seen:
-                stages.append(f"P rank {t.p_rank}: still prefilling")
-            else:
-                stages.append(f"P rank {t.p_rank}: pull not answered, P last heard {now - dealer.last_seen:.1f}s ago")
-        return "; ".join(stages)
-
-    def _p_working_since(self, pull: PullMeta) -> float | None:
-        """When a P rank last said it is still working on this pull's transfer (None: never)."""
-        seen = [
-            d.working_seen[pull.spec.transfer_id]
-            for t in pull.tasks
-            if (d := self._dealers.get((t.d_rank, t.control_addr))) is not None
-            and pull.spec.transfer_id in d.working_seen
-        ]
-        return max(seen, default=None)
-
     def _on_response(self, pull: PullMeta, task: PullTask, resp: PullResponse) -> None:
         task.checksums = list(resp.checksums)
         if resp.status == Status.ERROR:
@@ -276,14 +248,12 @@ class Consumer:
         elif pull.request_id in resp.err_reqs:
             self._handle_failed_recv([pull], "err_reqs", f"P rank {task.p_rank}: {resp.err_msg}")
         elif pull.request_id not in resp.ok_reqs and pull.block_ids:
-            self._handle_failed_recv(
-                [pull], "error_reply", f"P rank {task.p_rank} finished without this request"
-            )
+            self._handle_failed_recv([pull], "error_reply", f"P rank {task.p_rank} finished without this request")
         else:
-            self._close_grant(task)
-            bad = self._bad_blocks(pull, [task])
+            self._landed.close_grant(task)
+            bad = self._landed.bad_blocks(pull, [task])
             if bad:
-                cause = "checksum" if all(self._covered(pull, task, b) for b in bad) else "transport"
+                cause = "checksum" if all(self._landed.covered(pull, task, b) for b in bad) else "transport"
                 self._handle_failed_recv(
                     [pull], cause, f"{len(bad)} block(s) from P rank {task.p_rank} {cause} error"
                 )
@@ -324,7 +294,7 @@ class Consumer:
             if self._pulls.get(pull.request_id) is not pull or pull.failed:
                 continue  # unknown or already failed: each failure is counted once
             pull.failed = True
-            invalid = [pull.block_ids[i] for i in self._invalid_indices(pull)]
+            invalid = [pull.block_ids[i] for i in self._landed.invalid_indices(pull)]
             self._end(pull)
             self._release_remote(pull)
             if cause in ("recv_timeout", "transport", "peer_dead", "bootstrap"):
@@ -338,49 +308,13 @@ class Consumer:
                 invalid = list(pull.block_ids)
             self.outbox.report(pull.request_id, invalid, (cause, message))
 
-    def _invalid_indices(self, pull: PullMeta) -> list[int]:
-        """Blocks not completely and correctly written by every P rank they need (all, if unknown)."""
-        if not pull.tasks or not all(self.engines[t.d_rank].tracks_progress for t in pull.tasks):
-            return list(range(len(pull.block_ids)))
-        for task in pull.tasks:
-            self._close_grant(task)
-        return self._bad_blocks(pull, pull.tasks)
-
-    def _bad_blocks(self, pull: PullMeta, tasks: list[PullTask]) -> list[int]:
-        bad = []
-        for i in range(len(pull.block_ids)):
-            for task in tasks:
-                if not self._covered(pull, task, i) or (
-                    task.checksums and not self._checksum_ok(pull, task, i)
-                ):
-                    bad.append(i)
-                    break
-        return bad
-
-    def _covered(self, pull: PullMeta, task: PullTask, index: int) -> bool:
-        if task.written is None:
-            return False
-        return all(
-            covered(task.written, r) for r in self.layout.block_runs(pull.block_ids[index], task.heads)
-        )
-
-    def _checksum_ok(self, pull: PullMeta, task: PullTask, index: int) -> bool:
-        if index >= len(task.checksums):
-            return False
-        return self.layout.checksum(pull.block_ids[index], task.heads) == task.checksums[index]
-
-    def _close_grant(self, task: PullTask) -> None:
-        if task.grant is not None:
-            task.written = self.engines[task.d_rank].close_grant(task.grant)
-            task.grant = None
-
     def _end(self, pull: PullMeta) -> float:
         """The pull is over (success, failure or abort): no byte may land after this. Returns when P
         started writing (the earliest rank), or when the pull started if no rank did."""
         self._pulls.pop(pull.request_id, None)
         writing_since = []
         for task in pull.tasks:
-            self._close_grant(task)
+            self._landed.close_grant(task)
             if task.future is not None and not task.future.done():
                 task.future.cancel()
             dealer = self._dealers.get((task.d_rank, task.control_addr))
