@@ -15,7 +15,8 @@ from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pd import PDConfig, PDConnector
+from kvferry.connector.pd import PDConfig
+from kvferry.connector.pd_connector import PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
 from kvferry.transfer.addr import join_addr

@@ -210,7 +210,8 @@ def pull_and_read_at_once(device: str) -> None:
 
     from kvferry.connector.base import ConnectorRole
     from kvferry.connector.decode.pulls import PullSpec
-    from kvferry.connector.pd import PDConfig, PDConnector, PDMetadata, SendSpec
+    from kvferry.connector.pd import PDConfig, PDMetadata, SendSpec
+    from kvferry.connector.pd_connector import PDConnector
     from procs import free_port
 
     cuda = device == "cuda"

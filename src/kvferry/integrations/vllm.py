@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from kvferry.connector.base import ConnectorRole
-from kvferry.connector.pd import PDConnector
+from kvferry.connector.pd_connector import PDConnector
 from kvferry.integrations.vllm_layout import VllmKVLayout
 from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
 from kvferry.integrations.vllm_metrics import KVFerryPromMetrics, KVFerryStats

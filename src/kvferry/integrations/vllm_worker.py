@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvferry.connector.pd import PDConnector
+from kvferry.connector.pd_connector import PDConnector
 from kvferry.integrations.vllm_affinity import connector_affinity, cpu_list
 from kvferry.integrations.vllm_layout import VllmKVLayout
 from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata

@@ -1,0 +1,120 @@
+"""`PDConnector`: kvferry's P/D `KVConnector`, a thin facade over its two halves, as vLLM's
+`nixl/connector.py`: every method forwards to the half that owns it, the scheduler half (`pd.py`) or
+the worker half (`pd_worker.py`). Both halves are built whatever the role (neither does anything
+until it is used), so a call meant for the other role answers as an idle half would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvferry.connector.base import (
+    ConnectorMetadata,
+    ConnectorRole,
+    KVConnector,
+    RequestLike,
+    SchedulerOutputLike,
+)
+from kvferry.connector.bootstrap import BootstrapServer
+from kvferry.connector.decode.consumer import Consumer
+from kvferry.connector.layout import KVCacheSpec, KVLayout
+from kvferry.connector.messages import FirstToken
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.pd import PDConfig, PDScheduler
+from kvferry.connector.pd_worker import PDWorker
+from kvferry.connector.prefill.producer import Producer
+from kvferry.transfer.base import TransferEngine
+
+
+class PDConnector(KVConnector):
+    def __init__(self, role: ConnectorRole, config: PDConfig, metrics: Metrics | None = None) -> None:
+        super().__init__(role)
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.scheduler = PDScheduler(config, self.metrics)
+        self.worker = PDWorker(config, self.metrics)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.config.role == "decode"
+
+    # ---- scheduler role -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def claim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
+        self.scheduler.claim(request_id, kv_transfer_params)
+
+    def unclaim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
+        self.scheduler.unclaim(request_id, kv_transfer_params)
+
+    def transfers_ended(self, request_ids: set[str]) -> None:
+        self.scheduler.transfers_ended(request_ids)
+
+    def on_request_added(self, request: RequestLike) -> None:
+        self.scheduler.on_request_added(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    @property
+    def _claims(self) -> dict[str, str]:
+        """P's live transfer ids (tests check that none is left claimed)."""
+        return self.scheduler.claims
+
+    # ---- worker role ----------------------------------------------------------------------------------
+    def register_kv_cache(self, spec: KVCacheSpec, kv_cache: np.ndarray) -> None:
+        self.worker.register_kv_cache(spec, kv_cache)
+
+    def register_kv_layout(self, layout: KVLayout) -> None:
+        """Any memory layout (vLLM's per-layer tensors, say) that can name a block's byte runs."""
+        self.worker.register_kv_layout(layout)
+
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        self.worker.start_load_kv(metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
+        return self.worker.get_failure_causes()
+
+    def get_first_tokens(self) -> dict[str, FirstToken]:
+        return self.worker.get_first_tokens()
+
+    def set_waker(self, wake: Callable[[], None]) -> bool:
+        return self.worker.set_waker(wake)
+
+    def stats(self) -> dict[str, Any]:
+        return self.worker.stats()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    @property
+    def producer(self) -> Producer | None:
+        return self.worker.producer
+
+    @property
+    def consumer(self) -> Consumer | None:
+        return self.worker.consumer
+
+    @property
+    def bootstrap_server(self) -> BootstrapServer | None:
+        return self.worker.bootstrap_server
+
+    @property
+    def transfer_engines(self) -> list[TransferEngine]:
+        return self.worker.transfer_engines

@@ -1,0 +1,155 @@
+"""The P/D connector's worker half: on P the producer and the bootstrap server, on D the consumer, each
+rank's transfer engine; it carries out the scheduler half's `PDMetadata` once per step and reports back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvferry.connector.base import ConnectorMetadata
+from kvferry.connector.bootstrap import BootstrapClient, BootstrapServer, Registration
+from kvferry.connector.decode.consumer import Consumer
+from kvferry.connector.decode.pulls import ConsumerConfig
+from kvferry.connector.layout import KVCacheSpec, KVLayout, PagedKVLayout
+from kvferry.connector.messages import FirstToken
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.pd import PDConfig, PDMetadata
+from kvferry.connector.prefill.producer import Producer
+from kvferry.transfer.addr import join_addr
+from kvferry.transfer.base import TransferEngine
+from kvferry.transfer.engines import new_engine
+
+
+class PDWorker:
+    """The worker half (the engine's worker thread)."""
+
+    def __init__(self, config: PDConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self.bootstrap_server: BootstrapServer | None = None
+        self.transfer_engines: list[TransferEngine] = []
+        self._invalid: set[int] = set()
+        self._causes: dict[str, tuple[str, str]] = {}
+        self._first_tokens: dict[str, FirstToken] = {}
+        self._waker: Callable[[], None] | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return self.config.role == "decode"
+
+    def register_kv_cache(self, spec: KVCacheSpec, kv_cache: np.ndarray) -> None:
+        self.register_kv_layout(PagedKVLayout(spec, kv_cache))
+
+    def register_kv_layout(self, layout: KVLayout) -> None:
+        """Any memory layout (vLLM's per-layer tensors, say) that can name a block's byte runs."""
+        self.transfer_engines = [self._new_transfer_engine(rank) for rank in range(self.config.tp_size)]
+        if self.is_decode:
+            consumer_config = ConsumerConfig(
+                self.config.tp_size,
+                self.config.recv_timeout_s,
+                self.config.kv_load_deadline_s,
+                self.config.checksums,
+                self.config.faults,
+                self.config.heartbeat_interval_s,
+                self.config.heartbeat_timeout_s,
+                self.config.heartbeat_ceiling_s,
+                secret=self.config.secret,
+                prefill_allow=self.config.prefill_allow,
+            )
+            bootstrap = BootstrapClient(secret=self.config.secret)
+            self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics, bootstrap)
+            self._install_waker()
+            return
+        self.producer = Producer(
+            layout, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
+            self.config.faults, self.metrics, self.config.secret,
+            control_port=self.config.control_port, advertise_host=self.config.advertised_host,
+        )
+        self.bootstrap_server = BootstrapServer(self.config.host, self.config.bootstrap_port, self.config.faults,
+                                                self.config.secret)
+        for rank, addr in enumerate(self.producer.control_addrs):
+            self.bootstrap_server.register(Registration(self.config.engine_id, self.config.tp_size, rank, addr))
+        self.bootstrap_server.start()
+        self._install_waker()
+
+    def _new_transfer_engine(self, rank: int) -> TransferEngine:
+        port = self.config.data_port and self.config.data_port + rank
+        return new_engine(self.config.transfer, self.config.host, port, self.config.secret or b"",
+                          join_addr(self.config.advertised_host, port))
+
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        assert isinstance(metadata, PDMetadata)
+        if self.producer is not None:
+            self.producer.step_started()
+            for transfer_id, request_id in metadata.working:  # before to_send: it may end in its first step
+                self.producer.add_working(transfer_id, request_id)
+            for send in metadata.to_send:
+                self.producer.add_ready(send.transfer_id, send.request_id, send.block_ids, send.num_tokens,
+                                        send.prompt_digest, send.first_token)
+            for transfer_id, request_id in metadata.dead_transfers:
+                self.producer.add_dead(transfer_id, request_id)
+        if self.consumer is not None:
+            self.consumer.start_pulls(metadata.to_pull)
+            # A request that ended before admission shows up here too, with its release-only pull.
+            releasing = {p.request_id for p in metadata.to_pull if not p.block_ids}
+            self.consumer.abort(metadata.finished_req_ids - releasing)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.producer is not None:
+            self.producer.step_ended()
+            return self.producer.drain_finished(), set()
+        if self.consumer is not None:
+            finished, invalid, causes, first_tokens = self.consumer.drain_all()
+            self._invalid, self._causes, self._first_tokens = invalid, causes, first_tokens
+            return set(), finished
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
+        causes, self._causes = self._causes, {}
+        return causes
+
+    def get_first_tokens(self) -> dict[str, FirstToken]:
+        tokens, self._first_tokens = self._first_tokens, {}
+        return tokens
+
+    def set_waker(self, wake: Callable[[], None]) -> bool:
+        self._waker = wake
+        self._install_waker()
+        return True
+
+    def _install_waker(self) -> None:
+        if self._waker is None:
+            return
+        if self.consumer is not None:
+            self.consumer.outbox.waker = self._waker
+        if self.producer is not None:
+            self.producer.table.waker = self._waker
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pending_pulls": self.consumer.pending_pulls if self.consumer else 0,
+            "pending_sends": self.producer.table.pending_sends() if self.producer else 0,
+            "writes_in_flight": self.producer.table.writes_in_flight() if self.producer else 0,
+            "transfer_addrs": [e.address for e in self.transfer_engines],  # advertised
+            "transfer_bound": [getattr(e, "bound_address", e.address) for e in self.transfer_engines],
+            "control_addrs": self.producer.control_addrs if self.producer else [],  # advertised
+            "control_bound": self.producer.control_bound if self.producer else [],
+        }
+
+    def close(self) -> None:
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop()
+        if self.producer is not None:
+            self.producer.close()
+        if self.consumer is not None:
+            self.consumer.close()
+        for engine in self.transfer_engines:
+            engine.close()
