@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.connector.pd import validate_kv_transfer_params
-from kvferry.connector.router_params import RouterParamsError, normalize_kv_transfer_params
+from kvferry.connector.params import (
+    RouterParamsError,
+    normalize_kv_transfer_params,
+    validate_kv_transfer_params,
+)
 
 
 def test_nixl_mode_prefill_gets_a_transfer_id_named_after_the_request() -> None:

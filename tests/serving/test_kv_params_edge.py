@@ -10,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvferry.connector.fake import ScriptedConnector
+from kvferry.connector.params import KVParamsShapeError, check_kv_transfer_params
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.model import ModelConfig
 from kvferry.serving.api_server import build_app
-from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.proxy import build_proxy_app
 
 BAD: list[tuple[dict[str, Any], str]] = [

@@ -80,25 +80,6 @@ class PDMetadata(ConnectorMetadata):
     finished_req_ids: set[str] = field(default_factory=set)
 
 
-class KVTransferParamsError(ValueError):
-    pass
-
-
-def validate_kv_transfer_params(params: dict[str, Any] | None) -> None:
-    """Raise a clear error for kv_transfer_params that can never work (the API answers 400)."""
-    if not params:
-        return
-    if params.get("do_remote_decode") and not isinstance(params.get("transfer_id"), str):
-        raise KVTransferParamsError("do_remote_decode needs a string transfer_id")
-    if params.get("do_remote_prefill"):
-        for key in ("transfer_id", "remote_engine_id", "remote_bootstrap_addr"):
-            if not isinstance(params.get(key), str) or not params[key]:
-                raise KVTransferParamsError(f"do_remote_prefill needs a non-empty string {key}")
-        host, sep, port = str(params["remote_bootstrap_addr"]).rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise KVTransferParamsError("remote_bootstrap_addr must be host:port")
-
-
 class PDScheduler:
     """The scheduler half (the engine's scheduler thread; P's HTTP handlers also claim and unclaim)."""
 

@@ -15,9 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.messages import FirstToken
-from kvferry.connector.pd import KVTransferParamsError, PDMetadata, validate_kv_transfer_params
+from kvferry.connector.params import (
+    KVTransferParamsError,
+    RouterParamsError,
+    normalize_kv_transfer_params,
+    validate_kv_transfer_params,
+)
+from kvferry.connector.pd import PDMetadata
 from kvferry.connector.pd_connector import PDConnector
-from kvferry.connector.router_params import RouterParamsError, normalize_kv_transfer_params
 from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
 from kvferry.integrations.vllm_metrics import KVFerryStats
 from kvferry.integrations.vllm_settings import DECODE, PREFILL

@@ -17,13 +17,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry.connector.base import AdmissionError
-from kvferry.connector.pd import KVTransferParamsError, validate_kv_transfer_params
+from kvferry.connector.params import (
+    KVParamsShapeError,
+    KVTransferParamsError,
+    check_kv_transfer_params,
+    validate_kv_transfer_params,
+)
 from kvferry.engine.engine import Engine, EngineDeadError, RequestOutput
 from kvferry.engine.request import Request as EngineRequest
 from kvferry.engine.request import SamplingParams
 from kvferry.engine.text import ChatTemplateError, TextCodec
 from kvferry.serving.drain import Drain
-from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.openai_chat import (
     ChatCompletionRequest,
     chat_body,

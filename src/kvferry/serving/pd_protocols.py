@@ -16,15 +16,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
+import msgspec
 
-from kvferry.connector.router_params import RouterParamsError, normalize_kv_transfer_params
+from kvferry.connector.params import RouterParamsError, failing_field, normalize_kv_transfer_params
 
 SGLANG_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 _MAX_ROOM = 2**64 - 1
 _ENGINE_CACHE_S = 10.0
+
+
+class SglangBootstrap(msgspec.Struct, frozen=True):
+    """sglang-router's P/D fields, in the order they are checked."""
+
+    bootstrap_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=r"^[^/:@ ]*\Z")]
+    bootstrap_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+    bootstrap_room: Annotated[int, msgspec.Meta(ge=0)]  # and <= _MAX_ROOM: msgspec bounds stop at int64
+
+
+_SGLANG_ERRORS = {
+    "bootstrap_host": "bootstrap_host must be a host name or IPv4 address",
+    "bootstrap_port": "bootstrap_port must be an integer port",
+    "bootstrap_room": "bootstrap_room must be an unsigned 64-bit integer",
+}
 
 
 class ProtocolError(ValueError):
@@ -76,13 +92,13 @@ def _sglang(role: str, fields: dict[str, Any]) -> PDRequest:
     missing = [k for k in SGLANG_FIELDS if k not in fields]
     if missing:
         raise ProtocolError(f"sglang P/D request without {', '.join(missing)}")
-    host, port, room = fields["bootstrap_host"], fields["bootstrap_port"], fields["bootstrap_room"]
-    if not isinstance(host, str) or not host or len(host) > 255 or any(c in host for c in "/:@ "):
-        raise ProtocolError("bootstrap_host must be a host name or IPv4 address")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ProtocolError("bootstrap_port must be an integer port")
-    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= _MAX_ROOM:
-        raise ProtocolError("bootstrap_room must be an unsigned 64-bit integer")
+    try:
+        checked = msgspec.convert({k: fields[k] for k in SGLANG_FIELDS}, SglangBootstrap)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(_SGLANG_ERRORS.get(failing_field(exc), _SGLANG_ERRORS["bootstrap_host"])) from None
+    host, port, room = checked.bootstrap_host, checked.bootstrap_port, checked.bootstrap_room
+    if room > _MAX_ROOM:
+        raise ProtocolError(_SGLANG_ERRORS["bootstrap_room"])
     if role == "prefill":
         params = {"do_remote_decode": True, "transfer_id": sglang_transfer_id(room)}
         return PDRequest(params, "sglang", prefill_only=True)

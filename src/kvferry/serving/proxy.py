@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvferry.connector.params import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving import migrate
 from kvferry.serving.api_server import install_error_handlers
 from kvferry.serving.instances import CHECK_INTERVAL_S, Instance, InstancePool, PrefillTarget
-from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.openai_chat import ChatCompletionRequest
 from kvferry.serving.protocol import (
     COMPLETION_200,

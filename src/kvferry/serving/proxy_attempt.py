@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvferry.connector.params import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.instances import Instance, InstancePool, PrefillTarget
-from kvferry.serving.kv_params_check import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.migrate import Migration
 from kvferry.serving.protocol import error_body
 

@@ -1,5 +1,6 @@
-"""What a P rank's loop shares with its producer, and the rank's data-plane writes, run on the D peer's send thread: plan the ops, checksum the blocks,
-write, then answer the pull (through the rank loop, which owns the ZMQ socket)."""
+"""What the rank loops of one producer share (`RankShared`), and one P rank's data-plane writes: run on
+the D peer's send thread, each plans its ops, checksums the blocks, writes, then answers the pull
+through the rank loop (which owns the ZMQ socket)."""
 
 from __future__ import annotations
 
