@@ -188,3 +188,19 @@ def test_decode_restarts_under_load_leave_the_proxy_no_sockets() -> None:
         stop.set()
         for proc in restarted:
             proc.stop()
+
+
+@pytest.mark.timeout(120)
+def test_kv_load_retries_on_the_only_prefill_back_off() -> None:
+    """Issue 32.7: with one P, a KV-load failure is retried on that same P after a backoff (0.25, 0.5,
+    1 s ...), so a P paused for a few seconds gets its next try after the pause, not three within it."""
+    p = _prefill("--num-blocks", "256", "--faults", "error_reply=1.0")
+    d = serve(None, "--role", "decode", "--num-blocks", "256", *COMMON)
+    proxy = _proxy([p], [d], "--retries", "3")
+    with running(p, d, proxy, timeout=60):
+        started = time.monotonic()
+        r = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "retry me", "max_tokens": 4}, timeout=60)
+        took = time.monotonic() - started
+    assert r.status_code == 500 and r.json()["error"]["code"] == "error_reply"
+    assert r.headers["x-kvferry-attempts"] == "4"
+    assert took >= 0.25 + 0.5 + 1.0, f"4 attempts in {took:.2f}s: no backoff between retries on the same P"

@@ -180,7 +180,8 @@ def build_proxy_app(
             response.headers[ATTEMPTS_HEADER] = str(attempt + 1)
             # Two budgets: KV-load failures (--retries) and instances that cannot be reached at all
             # (--retry-unreachable). The next attempt avoids the instance that failed; it backs off only
-            # when no other healthy instance is left (a restarted one is coming up).
+            # when no other healthy instance is left (a restarted one is coming up, or the one P is paused:
+            # its next try should come after the pause, not within it).
             kv_failures += outcome is Outcome.KV_FAILED
             unreachable += outcome is Outcome.UNREACHABLE
             if outcome is Outcome.DONE or kv_failures > retries or unreachable > retry_unreachable:
@@ -190,6 +191,8 @@ def build_proxy_app(
             last_p, last_d = target, decode
             if outcome is Outcome.UNREACHABLE and (prefills.healthy() == 0 or decodes.healthy() == 0):
                 await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (unreachable - 1)))
+            elif outcome is Outcome.KV_FAILED and prefills.healthy() <= 1:
+                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (kv_failures - 1)))
         raise AssertionError("unreachable")
 
     return app
