@@ -155,6 +155,54 @@ def _rolling(rig: _Rig) -> None:
         rig.restart(i)
 
 
+def _serving_d(rig: _Rig) -> int:
+    """The index of the D running a request now (-1: none yet)."""
+    for i in (2, 3):
+        try:
+            state = httpx.get(f"{rig.procs[i].url}/debug/state", timeout=5).json()
+        except httpx.HTTPError:
+            continue
+        if state.get("requests_by_status", {}).get("RUNNING"):
+            return i
+    return -1
+
+
+def _migration_row(kills: int) -> dict[str, Any]:
+    """`kills` long streams, each with the D serving it killed (kill -9) mid-stream and restarted after;
+    ok = the client's whole text equals the fault-free text (alternately temperature 0 and seeded 0.8)."""
+    rig = _Rig()
+    rig.start()
+    ok, resumed_s = 0, []
+    try:
+        assert rig.proxy is not None
+        url = rig.proxy.url
+        for k in range(kills):
+            sampling = {"temperature": 0} if k % 2 == 0 else {"temperature": 0.8, "seed": k}
+            body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 1500, "ignore_eos": True, **sampling}
+            expected = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            texts, done, killed_at, victim = [], False, 0.0, -1
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        texts.append(event["choices"][0]["text"] if "choices" in event else "<error>")
+                        if victim < 0 and len(texts) >= 20 and (victim := _serving_d(rig)) >= 0:
+                            os.kill(rig.procs[victim].pid, signal.SIGKILL)
+                            killed_at = time.monotonic()
+            ok += done and victim >= 0 and "".join(texts) == expected
+            if victim >= 0:
+                resumed_s.append(time.monotonic() - killed_at)
+                rig.procs[victim].popen.wait(10)
+                rig.restart(victim)
+    finally:
+        rig.stop()
+    return {"fault": f"D kill -9 mid-stream (1,500 tokens), {kills} times", "ok": ok, "total": kills,
+            "recovery_s": None, "p50_s": round(percentile(resumed_s, 50) or 0.0, 3),
+            "worst_s": round(max(resumed_s, default=0.0), 3), "first_failure": ""}
+
+
 def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
     clients, per_client = (4, 25) if quick else (8, 100)
     rows = [
@@ -162,6 +210,8 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
         _run_row("D kill -9, back after 5 s", clients, per_client, _kill_and_restart(2)),
         _run_row("rolling restart (SIGTERM, all 4)", clients, per_client, _rolling),
     ]
+    if not quick:  # p50_s / worst_s: from the kill to the stream's end
+        rows.append(_migration_row(10))
     report(f"Faults under load: {clients} clients x {per_client} streamed requests, proxy + 2 P + 2 D "
            "(Dynamo: P killed 798/800 ok, recovery 42.3 s; its only D killed 200/800)", rows, json_path)
     return rows
