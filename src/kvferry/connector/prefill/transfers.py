@@ -135,16 +135,24 @@ class TransferTable:
         log.warning("transfer_id %s is in use by request %s: request %s refused", t.transfer_id, t.owner, request_id)
         return True
 
+    def _entry(self, transfer_id: str, request_id: str, expires: float) -> Transfer | None:
+        """The transfer `request_id` may update (made if new), or None: it ended recently, or another
+        request owns its id. Under the lock."""
+        if transfer_id in self._recent:
+            return None
+        t = self._transfers.get(transfer_id)
+        if self._claimed_by_other(t, request_id):
+            return None
+        if t is None:
+            t = self._transfers[transfer_id] = Transfer(transfer_id, expires)
+        return t
+
     def add_working(self, transfer_id: str, request_id: str) -> None:
         """P queued the request: its pulls wait however long the prefill takes."""
         with self.lock:
-            if transfer_id in self._recent:
-                return
-            t = self._transfers.get(transfer_id)
-            if self._claimed_by_other(t, request_id):
-                return
+            t = self._entry(transfer_id, request_id, math.inf)
             if t is None:
-                t = self._transfers[transfer_id] = Transfer(transfer_id, math.inf)
+                return
             t.owner = request_id
             if not t.ready and t.dead is None:
                 t.working = True
@@ -167,13 +175,9 @@ class TransferTable:
 
     def add_dead(self, transfer_id: str, request_id: str, now: float) -> None:
         with self.lock:
-            if transfer_id in self._recent:
-                return
-            t = self._transfers.get(transfer_id)
-            if self._claimed_by_other(t, request_id):
-                return
+            t = self._entry(transfer_id, request_id, 0.0)
             if t is None:
-                t = self._transfers[transfer_id] = Transfer(transfer_id, 0.0)
+                return
             t.dead, t.working = "prefill request ended without KV (aborted or failed)", False
             t.expires = now + self.abort_timeout_s if not t.leased or t.expires == math.inf else t.expires
 

@@ -98,12 +98,7 @@ class TcpClient:
         with self._lock:
             busy = [k for k, p in self._busy.items() if p == peer and token in (None, k.token)]
             idle = self._idle.pop(peer, []) if token is None else []
-        for k in idle:
-            k.sock.close()
-        for k in busy:  # shut down, not closed: the writing thread still owns the descriptor
-            k.aborted = True
-            with contextlib.suppress(OSError):
-                k.sock.shutdown(socket.SHUT_RDWR)
+        _drop(idle, busy)
 
     def close(self) -> None:
         with self._lock:
@@ -111,12 +106,7 @@ class TcpClient:
             idle = [k for links in self._idle.values() for k in links]
             busy = list(self._busy)
             self._idle.clear()
-        for k in idle:
-            k.sock.close()
-        for k in busy:  # shut down, not closed: the writing thread still owns the descriptor
-            k.aborted = True
-            with contextlib.suppress(OSError):
-                k.sock.shutdown(socket.SHUT_RDWR)
+        _drop(idle, busy)
 
     # -- connection -----------------------------------------------------------------------------
     def _connect(self, peer: str, deadline: float, token: str = "") -> _Link:
@@ -261,3 +251,13 @@ def _healthy(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
+
+
+def _drop(idle: list[_Link], busy: list[_Link]) -> None:
+    """Close idle links; shut busy ones down (not closed: their writing thread still owns the descriptor)."""
+    for k in idle:
+        k.sock.close()
+    for k in busy:
+        k.aborted = True
+        with contextlib.suppress(OSError):
+            k.sock.shutdown(socket.SHUT_RDWR)
