@@ -152,17 +152,14 @@ def _strangers(address: str, n: int, source: str) -> Iterator[list[socket.socket
             s.close()
 
 
-def test_connections_are_capped_per_ip_and_in_total(engines: Make) -> None:
-    a, b, token = _pair(engines, Limits(max_connections=10, max_connections_per_ip=4))
-    with _strangers(b.address, 7, "127.0.0.2") as socks:  # idle, never a byte: one IP fills its share
-        wait_for(lambda: b.stats["refused_connections"] == 3, what="three refused")
-        assert sum(closed_by_peer(s) for s in socks[4:]) == 3  # refused ones are closed at once
-        assert b.connections == 4
-        _write(a, b, token)  # an honest peer from another IP still gets in
-        with _strangers(b.address, 4, "127.0.0.3"), _strangers(b.address, 4, "127.0.0.4"):
-            # 4 + the honest one + 4 + 1 reach the total of 10: the last 3 are refused
-            wait_for(lambda: b.stats["refused_connections"] == 6, what="the total cap")
-            assert b.connections == 10
+def test_pending_connections_are_capped_and_evicted_oldest_first(engines: Make) -> None:
+    a, b, token = _pair(engines, Limits(max_pending=6, max_pending_per_bucket=4, max_connections=10))
+    with _strangers(b.address, 7, "127.0.0.2") as socks:  # idle, never a byte: the bucket holds 4
+        wait_for(lambda: b.stats["evicted_handshakes"] == 3, what="three evicted")
+        assert sum(closed_by_peer(s) for s in socks[:3]) == 3  # the oldest ones went
+        assert b._server.budgets == (4, 0)
+        _write(a, b, token)  # an honest peer in the same bucket evicts one more and moves out
+        assert b._server.budgets == (3, 1) and b.stats["evicted_handshakes"] == 4
     wait_for(lambda: b.connections <= 1, what="strangers gone")
     _write(a, b, token)
     assert a.stats["writes_failed"] == 0

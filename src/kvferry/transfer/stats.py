@@ -16,7 +16,8 @@ COUNTERS = (
     "frame_timeouts",  # a message not complete in time (frame timeout, clamped ttl); closed
     "incomplete_writes",  # connection broke or stalled mid-payload
     "idle_closed",  # connections closed after Limits.idle_timeout without a message
-    "refused_connections",  # over Limits.max_connections or max_connections_per_ip; closed at once
+    "refused_connections",  # handshake done but Limits.max_connections proven ones held already; closed
+    "evicted_handshakes",  # pending (mid-handshake) connections evicted by newer ones (Limits.max_pending*)
     "bytes_received",
     "connections_accepted",
     "writes_ok",  # sender side

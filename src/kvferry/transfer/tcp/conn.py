@@ -27,6 +27,7 @@ import hmac
 import itertools
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,7 @@ class ConnContext:
     grants: GrantTable
     limits: Limits
     stats: Counters
+    admit: Callable[[Conn], bool]  # handshake done: moves it to the proven budget (False: close it)
 
 
 class Oversized(wire.ProtocolError):
@@ -96,7 +98,8 @@ class Conn(SockIO):
         try:
             try:
                 ok, self.tags = server_handshake(
-                    self, self.ctx.secret, self.ctx.advertised, self.limits.handshake_timeout, stats
+                    self, self.ctx.secret, self.ctx.advertised, self.limits.handshake_timeout, stats,
+                    lambda: self.ctx.admit(self),
                 )
                 if not ok:
                     return

@@ -13,6 +13,7 @@ import hmac
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from kvferry.transfer.addr import canonical_addr
 from kvferry.transfer.base import TransferError, TransferErrorCause
@@ -82,9 +83,13 @@ def client_handshake(sock: socket.socket, peer: str, secret: bytes | None, deadl
 
 
 def server_handshake(
-    io: SockIO, secret: bytes | None, advertised: str, timeout: float, stats: Counters
+    io: SockIO, secret: bytes | None, advertised: str, timeout: float, stats: Counters,
+    admit: Callable[[], bool] = lambda: True,
 ) -> tuple[bool, Tags | None]:
-    """(admitted, tagging state); raises Stall past `timeout`, ProtocolError on a malformed AUTH."""
+    """(admitted, tagging state); raises Stall past `timeout`, ProtocolError on a malformed AUTH.
+
+    `admit` is asked once the client passed, before OK is sent: when it says no (the connection lost
+    its slot), nothing is sent and the caller closes the connection."""
     deadline = time.monotonic() + timeout
     nonce = os.urandom(wire.NONCE_BYTES)
     sflags = (wire.FLAG_AUTH | gmac_flag()) if secret else 0
@@ -111,5 +116,7 @@ def server_handshake(
         stats.add("misdirected_handshakes")
     elif status != wire.AuthStatus.OK:
         stats.add("refused_handshakes")
+    if status == wire.AuthStatus.OK and not admit():
+        return False, None
     io.send_all(wire.AUTH_RESULT.pack(wire.RESULT_MAGIC, status, sproof), deadline)
     return status == wire.AuthStatus.OK, tags

@@ -1,9 +1,11 @@
-"""Receive side of the TCP engine: the listener, and the caps on what connections may hold.
+"""Receive side of the TCP engine: the listener, and the budgets connections are held in.
 
-A connection over `Limits.max_connections` in total or `Limits.max_connections_per_ip` from its peer's
-IP is closed at once, before any thread or buffer is spent on it (`refused_connections`). Each admitted
-connection gets a thread running `conn.Conn.serve` (handshake, then messages); the server hands each
-conn a frozen `ConnContext` (not itself) and forgets the conn when its `serve` returns.
+Strangers and peers never share a budget (see `limits`): an accepted connection is *pending* until its
+handshake succeeds (`Limits.max_pending` in total, `max_pending_per_bucket` from one address bucket, a
+new one evicting the oldest), then *proven* (`max_connections`, which no stranger reaches). The move
+happens before the server answers the handshake OK, so a peer told OK always holds its slot. Each
+connection gets a thread running `conn.Conn.serve`; the server hands it a frozen `ConnContext` (not
+itself, with `admit` as the one way back) and forgets the conn when its `serve` returns.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from kvferry.transfer.grants import GrantTable
 from kvferry.transfer.regions import RegionTable
 from kvferry.transfer.stats import Counters
 from kvferry.transfer.tcp.conn import Conn, ConnContext
-from kvferry.transfer.tcp.limits import Limits
+from kvferry.transfer.tcp.limits import Limits, bucket
 
 
 class TcpServer:
@@ -38,8 +40,10 @@ class TcpServer:
         self.limits = limits or Limits()
         self.stats = Counters()
         self._lock = threading.Lock()
-        self._conns: set[Conn] = set()
-        self._per_ip: dict[str, int] = {}
+        self._conns: set[Conn] = set()  # every live connection, pending, proven or evicted
+        self._pending: dict[Conn, str] = {}  # → its bucket, oldest first (dicts keep insertion order)
+        self._per_bucket: dict[str, int] = {}  # pending connections per bucket
+        self._proven: set[Conn] = set()
         self._closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -51,12 +55,11 @@ class TcpServer:
         self.advertised = advertised_addr(advertise, host, self.port)
         if not self.advertised:
             raise ValueError(f"bad advertised address {advertise!r}")
-        self._ctx = ConnContext(secret, self.advertised, regions, grants, self.limits, self.stats)
+        self._ctx = ConnContext(secret, self.advertised, regions, grants, self.limits, self.stats, self._admit)
         self._thread = threading.Thread(target=self._accept_loop, name="kvferry-tcp-listen", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
-        lim = self.limits
         while True:
             try:
                 sock, addr = self._listener.accept()
@@ -70,23 +73,61 @@ class TcpServer:
                 if self._closed:
                     sock.close()
                     return
-                full = len(self._conns) >= lim.max_connections
-                if full or self._per_ip.get(ip, 0) >= lim.max_connections_per_ip:
-                    conn = None
-                else:
-                    conn = Conn(self._ctx, sock, ip)
-                    self._conns.add(conn)
-                    self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
-            if conn is None:
-                self.stats.add("refused_connections")
-                sock.close()
-                continue
+                conn = Conn(self._ctx, sock, ip)
+                victim = self._make_room(bucket(ip))
+                self._conns.add(conn)
+                self._add_pending(conn, bucket(ip))
+            if victim is not None:
+                self.stats.add("evicted_handshakes")
+                with contextlib.suppress(OSError):
+                    victim.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread, which then exits
             self.stats.add("connections_accepted")
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 threading.Thread(target=self._serve, args=(conn,), name="kvferry-tcp-conn", daemon=True).start()
             except (OSError, RuntimeError):  # reset already, or no thread to be had: drop this one
                 self.forget(conn)
+
+    def _make_room(self, new: str) -> Conn | None:
+        """The pending connection a newcomer from bucket `new` evicts, if the budget is full (lock held):
+        the oldest of its own bucket once that holds its share, else the oldest of the fullest bucket."""
+        lim = self.limits
+        if self._per_bucket.get(new, 0) >= lim.max_pending_per_bucket:
+            take = new
+        elif len(self._pending) >= lim.max_pending:
+            take = max(self._per_bucket, key=lambda b: self._per_bucket[b])
+        else:
+            return None
+        victim = next(c for c, b in self._pending.items() if b == take)
+        self._drop_pending(victim)
+        return victim
+
+    def _add_pending(self, conn: Conn, b: str) -> None:
+        self._pending[conn] = b
+        self._per_bucket[b] = self._per_bucket.get(b, 0) + 1
+
+    def _drop_pending(self, conn: Conn) -> bool:
+        b = self._pending.pop(conn, None)
+        if b is None:
+            return False
+        left = self._per_bucket[b] - 1
+        if left:
+            self._per_bucket[b] = left
+        else:
+            del self._per_bucket[b]
+        return True
+
+    def _admit(self, conn: Conn) -> bool:
+        """The handshake succeeded: move `conn` to the proven budget. False if it was evicted meanwhile
+        or the proven budget is full (the server then closes it without answering OK)."""
+        with self._lock:
+            if not self._drop_pending(conn):
+                return False  # evicted while it finished
+            if len(self._proven) < self.limits.max_connections:
+                self._proven.add(conn)
+                return True
+        self.stats.add("refused_connections")
+        return False
 
     def _serve(self, conn: Conn) -> None:
         try:
@@ -96,19 +137,21 @@ class TcpServer:
 
     def forget(self, conn: Conn) -> None:
         with self._lock:
-            if conn in self._conns:
-                self._conns.discard(conn)
-                left = self._per_ip[conn.ip] - 1
-                if left:
-                    self._per_ip[conn.ip] = left
-                else:
-                    del self._per_ip[conn.ip]
+            self._conns.discard(conn)
+            self._drop_pending(conn)
+            self._proven.discard(conn)
         conn.sock.close()
 
     @property
     def connections(self) -> int:
         with self._lock:
             return len(self._conns)
+
+    @property
+    def budgets(self) -> tuple[int, int]:
+        """(pending, proven) connections now."""
+        with self._lock:
+            return len(self._pending), len(self._proven)
 
     def close(self) -> None:
         with self._lock:
