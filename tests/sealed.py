@@ -8,7 +8,7 @@ from typing import Any
 
 import zmq
 
-from kvferry.connector.auth import TO_DECODE, TO_PREFILL, Opener, Sealer
+from kvferry.connector.auth import TO_DECODE, TO_PREFILL, Opener, Sealer, curve_client, curve_server_keys
 
 
 class Sealed:
@@ -16,6 +16,12 @@ class Sealed:
 
     def __init__(self, sock: zmq.Socket[Any], secret: bytes | None = None, as_decode: bool = True) -> None:
         self.raw = sock
+        # With the secret the connection is CurveZMQ, as P's and D's are (set before connect / bind).
+        if secret and as_decode:
+            curve_client(sock, secret)
+        elif secret:
+            sock.curve_server = True
+            sock.curve_secretkey = curve_server_keys(secret)[1]
         self.sealer = Sealer(secret, TO_PREFILL if as_decode else TO_DECODE)
         self.opener = Opener(secret, TO_DECODE if as_decode else TO_PREFILL)
 

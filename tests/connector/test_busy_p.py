@@ -34,6 +34,11 @@ def heartbeat_rtts(url: str) -> dict[str, float]:
     return out
 
 
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 def test_long_prefill_then_small_request_no_false_failures() -> None:
     abort_s = float(os.environ.get("KVFERRY_BUSY_ABORT_S", ABORT_S))
     args = ("--abort-timeout", str(abort_s), "--kv-load-failure-policy", "fail", "--kv-load-deadline", "600")
@@ -65,8 +70,10 @@ def test_long_prefill_then_small_request_no_false_failures() -> None:
         rtt = heartbeat_rtts(d.url)
         print(f"long ({LONG_TOKENS} tokens): {elapsed['long']:.1f}s, small: {elapsed['small']:.1f}s, both 200; "
               f"D's heartbeats during it: {rtt}")
-        # What answers heartbeats never waits behind P's model step: every ack within D's timeout (1.5 s).
-        assert rtt["count"] > 0 and rtt["within_1.0s"] == rtt["count"], rtt
+        # What the system guarantees, however loaded the box (issue 32.6): every request answered (above)
+        # and no false peer_dead; how fast each ack came back is the box's, reported, not asserted.
+        assert rtt["count"] > 0, "D heartbeated P during the prefill"
+        assert metric(d.url, "kvferry_kv_load_failures_total") == 0, "D called the busy P dead (or failed a load)"
         assert elapsed["long"] > 2 * abort_s, f"the prefill took only {elapsed['long']:.1f}s: nothing was tested"
         expected = decode(TinyLlama(ModelConfig(seed=0)).generate_greedy(small, 2, stop_at_eos=False))
         assert results["small"].json()["choices"][0]["text"] == expected

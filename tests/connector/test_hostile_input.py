@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVCacheSpec, PagedKVLayout
-from kvferry.connector.messages import MAX_FRAME_BYTES, PullRequest, Release, Status, decode_response, encode
+from kvferry.connector.messages import (
+    MAX_FRAME_BYTES,
+    MAX_MESSAGE_BYTES,
+    PullRequest,
+    Release,
+    Status,
+    decode_response,
+    encode,
+)
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer
 from kvferry.transfer.base import ByteRange
@@ -144,11 +152,12 @@ def test_truncated_valid_message_and_extra_frames(rig: Rig) -> None:
 
 
 def test_oversized_message_gets_its_own_error_and_the_connection_survives(rig: Rig) -> None:
-    """A 3 MiB transfer_id (issue 13.6) costs that message an ERROR naming it, nothing else."""
-    big = "x" * (3 << 20)
+    """A message over MAX_MESSAGE_BYTES (issue 13.6) but within ZMQ's frame limit (the message limit and
+    the envelope: issue 31.5) costs that message an ERROR naming it, nothing else."""
+    big = "x" * (MAX_MESSAGE_BYTES + 100)
     reply = rig.ask(encode(Release([big])))
     assert reply.status == Status.ERROR and "exceeds" in reply.err_msg
-    reply = rig.ask(rig.pull("t-over", [1], d_transfer_addr="h" * (1 << 20)))
+    reply = rig.ask(rig.pull("t-over", [1], d_transfer_addr="h" * MAX_MESSAGE_BYTES))
     assert reply.status == Status.ERROR and "exceeds" in reply.err_msg
     assert (reply.transfer_id, reply.d_request_id) == ("t-over", "d-t-over"), "the ERROR names its pull"
     rig.check_still_serving()  # same DEALER, no reconnect needed

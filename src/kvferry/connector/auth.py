@@ -7,6 +7,10 @@ msgpack payload. The MAC (HMAC-SHA256, truncated to 16 bytes) covers everything 
 payload. A receiver keeps the highest sequence number seen per sender session (a DEALER ↔ ROUTER
 connection delivers in order), so a replayed message is refused; sessions are remembered in a bounded
 LRU. Without a secret messages carry a zero MAC and are not checked: the loopback-only default.
+
+With a secret the ZMQ connection itself is CurveZMQ too (`curve_server_keys`: P's key pair comes from
+the secret), so a stranger is turned away by libzmq's handshake before any frame reaches Python, and a
+tap reads nothing of the control plane (ids, tokens, digests, first tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections import OrderedDict
 
 import numpy as np
 import xxhash
+import zmq
+from zmq.utils import z85
 
 from kvferry.transfer import secret as secret_rules
 
@@ -55,6 +61,22 @@ def derive(secret: bytes, purpose: str) -> bytes:
     """A key per purpose (HKDF, one label each: `secret_rules.LABELS`), so a MAC from one protocol is
     never valid in another."""
     return secret_rules.derive_key(secret, purpose)
+
+
+def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """P's CurveZMQ key pair (z85 public, secret), derived from the deployment secret: only a peer that
+    holds the secret knows P's public key, so only it completes the handshake (issue 31.2-4)."""
+    secret_key = z85.encode(secret_rules.derive_key(secret, "control", context=b"curve25519 server key"))
+    return zmq.curve_public(secret_key), secret_key
+
+
+def curve_client(sock: zmq.Socket, secret: bytes | None) -> None:  # type: ignore[type-arg]
+    """Make `sock` a CurveZMQ client of a P rank (a fresh key pair of its own); before connect."""
+    if secret:
+        public, secret_key = zmq.curve_keypair()
+        sock.curve_serverkey = curve_server_keys(secret)[0]
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret_key
 
 
 class Sealer:

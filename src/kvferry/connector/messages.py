@@ -16,8 +16,9 @@ from kvferry.connector.layout import LayoutDescription
 
 # Far above any real pull (a 100k-token prompt is ~6k blocks); a bigger frame is hostile.
 MAX_MESSAGE_BYTES = 1 << 20
-# ZMQ drops a connection that sends a bigger frame; below it every message gets its own answer.
-MAX_FRAME_BYTES = 16 << 20
+# ZMQ drops a connection that sends a bigger frame (P's MAXMSGSIZE: what a stranger's half-sent frame
+# can pin); below it every message gets its own answer. Pulls are far below MAX_MESSAGE_BYTES.
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 4096
 MAX_ID_BYTES = 64 << 10
 
 

@@ -68,6 +68,11 @@ class Metrics:
             "Control messages dropped: not sealed with this deployment's secret, replayed or malformed",
             ["side"], registry=r,
         )
+        self.control_dropped = Counter(
+            "kvferry_control_dropped",
+            "What P's control port refused from strangers, by reason (handshake, auth, frames, connection cap, "
+            "bad message)", ["reason"], registry=r,
+        )
         self.unknown_connector_ids = Counter(
             "kvferry_unknown_connector_ids", "Finished ids from the connector that the scheduler did not hold",
             registry=r,

@@ -353,10 +353,10 @@ class Consumer:
     def _dealer(self, d_rank: int, addr: str) -> Dealer:
         dealer = self._dealers.get((d_rank, addr))
         if dealer is None:
-            silence = DelayEstimator(self.config.heartbeat_timeout_s, self.config.heartbeat_ceiling_s)
-            dealer = Dealer(self._ctx, addr, self._on_peer_dead, self.config.liveness,
-                            self.metrics.heartbeat_rtt_seconds.observe, self.config.secret,
-                            self.metrics.control_auth_failures.labels(side="decode").inc, silence)
+            c = self.config  # the ZMTP heartbeat: every interval, dead after the timeout (dealer.py)
+            dealer = Dealer(self._ctx, addr, self._on_peer_dead, c.liveness, self.metrics.heartbeat_rtt_seconds.observe,
+                            c.secret, self.metrics.control_auth_failures.labels(side="decode").inc,
+                            DelayEstimator(c.heartbeat_timeout_s, c.heartbeat_ceiling_s), c.heartbeat_interval_s)
             self._dealers[(d_rank, addr)] = dealer
         return dealer
 

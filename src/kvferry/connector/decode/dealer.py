@@ -1,10 +1,15 @@
 """One DEALER socket from a D rank to a P rank: routes replies to waiting pulls and watches P's liveness.
 
-A dead P is noticed two ways: the TCP connection closing (ZMQ monitor event; a killed process is seen
-at once) and silence: a heartbeat left unanswered longer than P's recent ack round trips allow
-(`liveness.DelayEstimator`: `--heartbeat-timeout` on an idle box, up to its ceiling for a P that has been
-answering slowly; a hung process, e.g. SIGSTOP). Silence counts from the oldest heartbeat P has not
-answered, never from P's last answer: when D's own loop lags and sends nothing, P is not silent.
+A dead P is noticed three ways:
+- the TCP connection closing (ZMQ monitor event; a killed process is seen at once);
+- libzmq's own ZMTP heartbeat (issue 32.6): D's I/O thread pings every `--heartbeat-interval`, P's
+  answers without its interpreter, so a stopped or hung *process* loses the connection after
+  `--heartbeat-timeout` (then as above), while a P whose Python is starved of the GIL or the CPU keeps it;
+- silence of P's Python (the request does not progress): a heartbeat left unanswered past its bound.
+  With the ZMTP heartbeat that bound is the ceiling (`--heartbeat-ceiling`); without it (a ceiling at
+  or below the timeout: fixed thresholds) it is what P's recent ack round trips allow
+  (`liveness.DelayEstimator`). Silence counts from the oldest heartbeat P has not answered, never from
+  P's last answer: when D's own loop lags and sends nothing, P is not silent.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer
+from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer, curve_client
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.messages import (
     Heartbeat,
@@ -43,7 +48,10 @@ OnDead = Callable[[list[str], str], None]
 class Dealer:
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, on_dead: OnDead, watch_connection: bool,
                  on_rtt: Callable[[float], None] | None = None, secret: bytes | None = None,
-                 on_forged: Callable[[], None] | None = None, silence: DelayEstimator | None = None) -> None:
+                 on_forged: Callable[[], None] | None = None, silence: DelayEstimator | None = None,
+                 ping_s: float = 0.0) -> None:
+        """`ping_s`: libzmq's heartbeat interval on a watched connection (its timeout: the silence floor,
+        `--heartbeat-timeout`); 0: no ZMTP heartbeat."""
         self.addr = addr
         # How long an unanswered heartbeat may stay so, learnt from P's ack round trips.
         self.silence = silence if silence is not None else DelayEstimator(1.5, 1.5)
@@ -57,6 +65,15 @@ class Dealer:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
+        curve_client(self.sock, secret)
+        # Process liveness is libzmq's, so our Python silence may wait for the ceiling (adaptive only).
+        zmtp = watch_connection and ping_s > 0
+        self.zmtp = zmtp and self.silence.adaptive
+        if zmtp:
+            ping_ms, timeout_ms = max(1, int(ping_s * 1000)), max(1, int(self.silence.floor * 1000))
+            self.sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
+            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            self.sock.setsockopt(zmq.HANDSHAKE_IVL, max(timeout_ms, 1000))  # a P stopped mid-connect
         self.waiters: dict[WaiterKey, asyncio.Future[PullResponse]] = {}
         # When P started writing each pull (its CONTINUE): transfer time excludes waiting for prefill.
         self.writing_since: dict[WaiterKey, float] = {}
@@ -105,7 +122,7 @@ class Dealer:
         (never below `at_least`: what our own loop's lag says the box allows)."""
         if not self.waiters:
             return
-        limit = max(self.silence.threshold(), at_least)
+        limit = max(self.silence.ceiling if self.zmtp else self.silence.threshold(), at_least)
         if self.silent_for(now) > limit and int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
             self.last_seen = now  # P did answer; our reader is just behind (a busy D)
         silent = self.silent_for(now)

@@ -21,6 +21,7 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, d_ranks_for
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.prefill.guard import state_fd_budget
 from kvferry.connector.prefill.rank_loop import RankLoop
 from kvferry.connector.prefill.senders import PeerSenders
 from kvferry.connector.prefill.transfers import TransferTable
@@ -58,6 +59,7 @@ class Producer:
         self.table = TransferTable(abort_timeout_s, metrics, self._pairs)
         self._stop = threading.Event()
         self._in_step = threading.Event()
+        state_fd_budget(self.tp_size)
         self._ctx = zmq.Context()
         self.senders = PeerSenders("kv-send")
         # The loops get exactly what they use, never the producer itself.

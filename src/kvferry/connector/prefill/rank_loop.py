@@ -4,7 +4,9 @@ Nothing one peer sends can end this loop: every item (a message, a parked pull, 
 sweep) runs under its own guard; an unexpected exception costs that item an ERROR reply (naming its
 transfer and request when they can be read), a log line and a count of `kvferry_producer_errors_total`.
 Heartbeats are answered here and nothing here waits on the engine thread, the data plane or a
-checksum: writes and their checksums run on the per-peer send threads.
+checksum: writes and their checksums run on the per-peer send threads. What strangers can make the
+socket spend is bounded in `guard.py`; one turn reads messages for at most `TURN_BUDGET_S`, then
+answers what it owes (heartbeat acks first in line), so no flood holds a reply back.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import zmq
 from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer
 from kvferry.connector.layout import overlap
 from kvferry.connector.messages import (
-    MAX_FRAME_BYTES,
     FirstToken,
     Heartbeat,
     HeartbeatAck,
@@ -40,6 +41,7 @@ from kvferry.connector.messages import (
     encode,
     salvage_ids,
 )
+from kvferry.connector.prefill.guard import Connections, DropLog, configure_router
 from kvferry.connector.prefill.transfers import NOT_READY_MSG, Write
 from kvferry.connector.prefill.writes import RankShared, RankWriter
 from kvferry.connector.prefill.writes import response as _response
@@ -48,6 +50,7 @@ from kvferry.transfer.addr import canonical_addr, join_addr
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # the longest one turn waits for a message
+TURN_BUDGET_S = 0.02  # the most one turn spends reading messages before it sends what it owes
 
 
 @dataclass
@@ -66,15 +69,15 @@ class RankLoop(threading.Thread):
         self.rank = rank
         self.writer = RankWriter(shared, rank)
         self.sock = shared.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # Up to this size every message gets its own answer (ERROR if over MAX_MESSAGE_BYTES).
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        configure_router(self.sock, shared.secret)
         if port:
             self.sock.bind(f"tcp://{join_addr(host, port)}")
         else:
             port = self.sock.bind_to_random_port(f"tcp://[{host}]" if ":" in host else f"tcp://{host}")
         self.bound = f"tcp://{join_addr(host, port)}"
         self.address = f"tcp://{join_addr(advertise_host, port)}"  # what the bootstrap server hands to D
+        self.drops = DropLog(shared.metrics, rank)
+        self.conns = Connections(self.sock, port, self.drops)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -98,10 +101,12 @@ class RankLoop(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)  # pyzmq reports plain sockets by fd
+        poller.register(self.conns.monitor, zmq.POLLIN)
         try:
             while not self.shared.stop.is_set():
                 self._guard("poll", lambda: self._turn(poller))
         finally:
+            self.conns.close()
             self.sock.close(0)
             self._wake_r.close()
             self._wake_w.close()
@@ -119,6 +124,9 @@ class RankLoop(threading.Thread):
             with contextlib.suppress(BlockingIOError):
                 while self._wake_r.recv(4096):
                     pass
+        if self.conns.monitor in events:
+            self.conns.on_events()
+        self._flush()
         if self.sock in events:
             self._drain_socket()
         self._retry_parked()
@@ -155,33 +163,51 @@ class RankLoop(threading.Thread):
         self.sock.send_multipart([identity, self._sealer.seal(encode(message))], zmq.NOBLOCK)
 
     def _drain_socket(self) -> None:
-        for _ in range(10_000):  # then poll again: replies and parked pulls get their turn
+        """Messages until none is left or the turn's budget is spent (then poll again: replies, parked
+        pulls and the lease sweep get their turn); heartbeat acks go out as they are made."""
+        ends = time.monotonic() + TURN_BUDGET_S
+        while time.monotonic() < ends:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                head = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._on_message(frames)
+            self._guard("message", functools.partial(self._read_message, head))
+            if self._outbox:
+                self._flush()
+
+    def _read_message(self, head: zmq.Frame) -> None:
+        """Frame by frame, so a message of many frames is counted, not turned into a list first: ours
+        are exactly [identity, sealed]."""
+        identity = head.bytes
+        # With the secret a message got here through CurveZMQ's handshake under the secret's key: its
+        # connection is proven (without one: it speaks ZMTP on loopback), never evicted by the cap.
+        self.conns.prove(int(head.get(zmq.SRCFD)))
+        body = self.sock.recv(zmq.NOBLOCK) if self.sock.rcvmore else None
+        extra = 0
+        while self.sock.rcvmore:  # libzmq delivers a message whole: the rest is here, just unread
+            self.sock.recv(zmq.NOBLOCK, copy=False)
+            extra += 1
+        if body is None or extra:
+            self._refuse(identity, body, "frames", f"{1 + (body is not None) + extra} frames, not 2")
+            return
+        self._on_message(identity, body)
+
+    def _refuse(self, identity: bytes, body: bytes | None, reason: str, why: str) -> None:
+        """A message we will not act on. Without a secret the loopback peer is told what was wrong; with
+        one it gets no answer (it would tell which ids exist), a count and a rate-limited warning."""
+        if not self._opener.authenticated:
+            tid, rid = salvage_ids(body) if body is not None else ("", "")
+            self.reply(identity, PullResponse(Status.ERROR, rid, tid, err_msg=f"malformed message: {why}"))
+            return
+        self.shared.metrics.control_auth_failures.labels(side="prefill").inc()
+        self.drops.drop(reason, why)
 
     # ---- messages ---------------------------------------------------------------------------------
-    def _on_message(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            if frames and not self._opener.authenticated:
-                tid, rid = salvage_ids(frames[1]) if len(frames) > 1 else ("", "")
-                self.reply(frames[0], PullResponse(Status.ERROR, rid, tid, err_msg="expected exactly one frame"))
-            elif frames:
-                self.shared.metrics.control_auth_failures.labels(side="prefill").inc()
-            return
-        identity, sealed = frames
+    def _on_message(self, identity: bytes, sealed: bytes) -> None:
         try:
             data = self._opener.open(sealed)
         except AuthError as exc:
-            # A stranger's message touches no transfer and gets no answer (an answer would tell it
-            # which ids exist); without a secret the loopback peer is told what was wrong.
-            if self._opener.authenticated:
-                self.shared.metrics.control_auth_failures.labels(side="prefill").inc()
-                log.warning("producer rank %d: control message dropped: %s", self.rank, exc)
-            else:
-                self.reply(identity, PullResponse(Status.ERROR, err_msg=f"malformed message: {exc}"))
+            self._refuse(identity, sealed, "auth", str(exc))
             return
         try:
             message = decode_inbound(data)
@@ -211,7 +237,7 @@ class RankLoop(threading.Thread):
             return f"D tp_size {pull.d_tp_size} does not divide {spec.num_kv_heads} KV heads"
         if not 0 <= pull.d_tp_rank < pull.d_tp_size:
             return f"D tp_rank {pull.d_tp_rank} out of range"
-        if overlap(spec.num_kv_heads, len(self.shared.engines), self.rank, pull.d_tp_size, pull.d_tp_rank) is None:
+        if overlap(spec.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank) is None:
             return f"D rank {pull.d_tp_rank} shares no KV heads with P rank {self.rank}"
         if pull.block_ids and len(pull.block_ids) != -(-pull.num_tokens // spec.block_size):
             return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens"
