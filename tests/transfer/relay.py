@@ -1,5 +1,5 @@
 """A hostile middlebox for the transfer tests: relays TCP to a real listener, optionally rewriting the
-handshake's addresses or flipping one byte of a stream."""
+handshake's addresses or flipping one byte of a stream, and keeps what it saw (a passive tap)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class Relay:
         self._socks: list[socket.socket] = [self._listener]
         self._lock = threading.Lock()
         self.accepted = 0
+        self.seen = bytearray()  # every byte relayed client → server after the handshake (the tap)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -66,9 +67,11 @@ class Relay:
             self._close_pair(client, server)
             return
         threading.Thread(target=self._pump, args=(server, client, t.flip_s2c), daemon=True).start()
-        self._pump(client, server, t.flip_c2s)
+        self._pump(client, server, t.flip_c2s, self.seen)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, flip: int | None) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, flip: int | None, tap: bytearray | None = None
+    ) -> None:
         pos = 0
         try:
             while chunk := src.recv(1 << 16):
@@ -77,6 +80,9 @@ class Relay:
                     raw[flip - pos] ^= 0x01
                     chunk = bytes(raw)
                 pos += len(chunk)
+                if tap is not None:
+                    with self._lock:
+                        tap += chunk
                 dst.sendall(chunk)
         except OSError:
             pass

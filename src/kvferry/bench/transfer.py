@@ -4,8 +4,9 @@
   the TCP ones (same blocks), so the ratios compare runs made under the same load.
 - tcp: sender in this process, receiver in a subprocess (`kvferry.harness.peer`), so the two sides
   do not share a GIL; CPU time is the sum of both processes.
-- tcp+auth: the same with a shared secret (every message tagged and verified, see `transfer.mac`);
-  its repetitions alternate with tcp's, so both see the same load; `x_tcp` is auth ÷ unauthenticated.
+- tcp+auth: the same with a shared secret: every message's payload encrypted and tagged with AES-256-GCM
+  and verified before it lands (`transfer.tcp.mac`); its repetitions alternate with tcp's, so both see
+  the same load; `x_tcp` is encrypted ÷ plain.
 - nixl: the NIXL engine (`transfer.nixl`, UCX: cma on one host), sender here, receiver in a
   subprocess as for tcp, with the bench secret; its rounds alternate with memcpy's and tcp's; skipped
   when nixl is not installed.

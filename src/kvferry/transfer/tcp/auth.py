@@ -4,12 +4,13 @@ The handshake transcript holds both nonces, both flag bytes, the address the cli
 client spells it: the `peer` of `write`) and the address the server advertises (what its
 `TcpTransferEngine.address` returns), both in canonical form. From secret and transcript, HKDF
 (RFC 5869, SHA-256, pyca `cryptography`; salt = both nonces, info = the "tcp" label of
-`transfer.secret` + the transcript's hash) derives the two handshake proofs and one tag key per
+`transfer.secret` + the transcript's hash) derives the two handshake proofs and one AES-256-GCM key per
 direction. So a proof made for one connection, one listener or one dialed address is worth nothing
 anywhere else: an attacker that P dials and that relays P's handshake to a real kvferry listener
 fails (the listener refuses an address that is not its own, and the proofs cover both addresses),
-and every later message and reply carries a tag under this connection's key and its sequence number
-(`mac`), so a spliced, replayed, reordered or altered frame is refused.
+and every later message is encrypted (its payload) and tagged under this connection's key with its
+sequence number as nonce, every reply tagged the same way (`mac`), so a spliced, replayed, reordered or
+altered frame is refused and a tap reads no KV byte.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from kvferry.transfer.tcp import mac, wire
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    gmac: bool
     client_proof: bytes = field(repr=False)
     server_proof: bytes = field(repr=False)
-    c2s_key: bytes = field(repr=False)  # tags of write messages
-    s2c_key: bytes = field(repr=False)  # tags of replies
+    c2s_key: bytes = field(repr=False)  # AES-256-GCM of write messages
+    s2c_key: bytes = field(repr=False)  # ... of replies
 
 
 def transcript(sflags: int, cflags: int, snonce: bytes, cnonce: bytes, dialed: str, server: str) -> bytes:
@@ -46,30 +46,32 @@ def transcript(sflags: int, cflags: int, snonce: bytes, cnonce: bytes, dialed: s
     )
 
 
-def derive(secret: bytes, snonce: bytes, cnonce: bytes, record: bytes, gmac: bool) -> Session:
+def derive(secret: bytes, snonce: bytes, cnonce: bytes, record: bytes) -> Session:
     th = hashlib.sha256(record).digest()
     okm = derive_key(secret, "tcp", salt=snonce + cnonce, context=b" " + th, length=128)
-    # client proof, server proof, client-to-server tag key, server-to-client tag key
-    return Session(gmac, okm[:32], okm[32:64], okm[64:96], okm[96:])
-
-
-def gmac_flag() -> int:
-    return wire.FLAG_GMAC if mac.GMAC_AVAILABLE else 0
+    # client proof, server proof, client-to-server key, server-to-client key
+    return Session(okm[:32], okm[32:64], okm[64:96], okm[96:])
 
 
 @dataclass(slots=True)
 class Tags:
-    """One connection's tagging state: outgoing and incoming MAC and their sequence numbers."""
+    """One connection's sealing state: outgoing and incoming AES-GCM and their sequence numbers (nonces)."""
 
-    send: mac.Mac
-    recv: mac.Mac
+    send: mac.Aead
+    recv: mac.Aead
     sent: int = 0  # sequence number of the next frame this side sends
     received: int = 0  # ... and of the next one it receives
 
     @classmethod
     def for_client(cls, s: Session) -> Tags:
-        return cls(mac.new_mac(s.c2s_key, s.gmac), mac.new_mac(s.s2c_key, s.gmac))
+        return cls(mac.Aead(s.c2s_key), mac.Aead(s.s2c_key))
 
     @classmethod
     def for_server(cls, s: Session) -> Tags:
-        return cls(mac.new_mac(s.s2c_key, s.gmac), mac.new_mac(s.c2s_key, s.gmac))
+        return cls(mac.Aead(s.s2c_key), mac.Aead(s.c2s_key))
+
+    def seal_frame(self, head: bytes, payload: bytes) -> bytes:
+        """A whole message: header + meta in clear (authenticated), the payload encrypted, the tag."""
+        out = head + self.send.seal(self.sent, payload, head)
+        self.sent += 1
+        return out

@@ -7,23 +7,21 @@ Nothing is allocated for a frame before its bytes arrive (meta grows as it is re
 has a deadline from `Limits`.
 
 Without a secret, a rejected message is answered at once and its payload then drained, so the
-connection stays usable; progress counts as bytes land. With a secret, a message's bytes still land
-as they arrive (no staging copy), but they count as written (grant progress, reply OK) only once its
-tag verified, checked under the grant's lock. Until then every range its ops touch is out of what
-the grant reports, even ranges an earlier message verified (these bytes may have overwritten them),
-and for good if the message never verifies (cut, fenced, or still landing when the grant closes).
-A bad tag poisons the whole grant (`Grant.poison`: nothing of it counts, further writes are refused,
-so the transfer fails and D recomputes) and closes the connection. Malformed frames close it too.
+connection stays usable; progress counts as bytes land, which go (on Linux) from the socket straight
+to their ops' addresses with `recvmsg` over an `iovec` table.
 
-Without a secret (on Linux) payload bytes go from the socket straight to their ops' addresses with
-`recvmsg` over an `iovec` table; with one, into memoryviews whose bytes the tag then hashes.
+With a secret a message's payload is encrypted (AES-256-GCM, `mac`): the connection stages the whole
+message (at most `wire.AUTH_MSG_BYTES` + the tag) in a buffer of its own, decrypts and verifies it in
+one call, and only then, under the grant's lock and only if the grant is still open, copies the
+plaintext to its ops' addresses and counts it. So no unverified byte ever reaches D's memory. A bad tag
+poisons the whole grant (`Grant.poison`: nothing of it counts, further writes are refused, so the
+transfer fails and D recomputes) and closes the connection. Malformed frames close it too.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import hmac
 import itertools
 import socket
 import time
@@ -35,11 +33,10 @@ import numpy as np
 from kvferry.transfer.grants import Grant, GrantTable, Progress
 from kvferry.transfer.regions import Region, RegionTable
 from kvferry.transfer.stats import Counters
-from kvferry.transfer.tcp import iovec, wire
+from kvferry.transfer.tcp import gather, iovec, wire
 from kvferry.transfer.tcp.auth import Tags
 from kvferry.transfer.tcp.handshake import server_handshake
 from kvferry.transfer.tcp.limits import Limits
-from kvferry.transfer.tcp.mac import Mac
 from kvferry.transfer.tcp.sockio import Eof, SockIO, Stall
 
 
@@ -73,6 +70,8 @@ class Conn(SockIO):
         self.limits = ctx.limits
         self.ip = ip
         self.tags: Tags | None = None  # set by an authenticated handshake
+        self._sealed = bytearray()  # with a secret: the message being staged (ciphertext + tag) ...
+        self._plain = bytearray()  # ... and its plaintext once verified
 
     def reply(self, status: wire.Status, code: wire.Code, reason: str = "") -> None:
         data = wire.encode_reply(status, code, reason)
@@ -80,18 +79,6 @@ class Conn(SockIO):
             data += self.tags.send.tag(self.tags.sent, data)
             self.tags.sent += 1
         self.send_all(data, time.monotonic() + self.limits.handshake_timeout)
-
-    def start_tag(self, head: bytes) -> Mac:
-        assert self.tags is not None
-        mac = self.tags.recv
-        mac.start(self.tags.received)
-        mac.update(head)
-        return mac
-
-    def end_tag(self, mac: Mac, tag: bytes) -> bool:
-        assert self.tags is not None
-        self.tags.received += 1
-        return hmac.compare_digest(mac.finish(), tag)
 
     def serve(self) -> None:
         stats = self.ctx.stats
@@ -138,6 +125,8 @@ class Conn(SockIO):
             raise wire.ProtocolError("bad message magic or version")
         if n_ops > wire.MAX_OPS or meta_len > wire.max_meta(n_ops):
             raise Oversized(f"message too large ({n_ops} ops, {meta_len} meta bytes)")
+        if self.tags is not None and payload_len > wire.AUTH_MSG_BYTES:  # the staging buffer's bound
+            raise Oversized(f"sealed message too large ({payload_len} payload bytes)")
         if meta_len < wire.min_meta(n_ops):
             raise wire.ProtocolError("meta too short for its op count")
         now = time.monotonic()
@@ -151,23 +140,67 @@ class Conn(SockIO):
             raise wire.ProtocolError("payload length does not match the ops")
         grant = self.ctx.grants.get(token.hex())
         verdict = self.check(grant, names, ops)
+        if self.tags is not None:
+            self.serve_sealed(grant, verdict, names, ops, head + meta, stop_at)
+            return True
         if isinstance(verdict, tuple) or grant is None:
             code, reason = verdict if isinstance(verdict, tuple) else (wire.Code.UNKNOWN_GRANT, "")
-            if self.tags is None:
-                self.ctx.stats.add("rejected_writes")
-                self.reply(wire.Status.REJECTED, code, reason)
-                self.drain(payload_len, stop_at)
-                return True
-            mac = self.start_tag(head + meta)
-            self.drain(payload_len, stop_at, mac)
-            if not self.end_tag(mac, self.recv_exact(wire.TAG_BYTES, stop_at)):
-                self._poison(grant)
-                raise BadTag("message failed authentication")
             self.ctx.stats.add("rejected_writes")
             self.reply(wire.Status.REJECTED, code, reason)
+            self.drain(payload_len, stop_at)
             return True
-        self.scatter(grant, verdict, names, ops, stop_at, head + meta)
+        self.scatter(grant, verdict, names, ops, stop_at)
         return True
+
+    def serve_sealed(
+        self,
+        grant: Grant | None,
+        verdict: tuple[wire.Code, str] | list[Region],
+        names: list[str],
+        ops: np.ndarray,
+        aad: bytes,
+        stop_at: float,
+    ) -> None:
+        """With a secret: stage the message, decrypt and verify it, and only then copy it into the grant."""
+        assert self.tags is not None
+        lens = ops["length"].tolist()
+        payload = sum(lens)
+        if len(self._sealed) < payload + wire.TAG_BYTES:  # grows to at most AUTH_MSG_BYTES + a tag
+            self._sealed, self._plain = bytearray(payload + wire.TAG_BYTES), bytearray(payload)
+        sealed = memoryview(self._sealed)[: payload + wire.TAG_BYTES]
+        plain = memoryview(self._plain)[:payload]
+        try:
+            self.recv_into(sealed, stop_at)
+        except wire.ProtocolError:  # the peer went away mid-message
+            self.ctx.stats.add("incomplete_writes")
+            raise Eof() from None
+        except (Stall, OSError):
+            self.ctx.stats.add("incomplete_writes")
+            raise
+        self.ctx.stats.add("bytes_received", payload)
+        ok = self.tags.recv.open_into(self.tags.received, sealed, aad, plain)
+        self.tags.received += 1
+        if not ok:
+            self._poison(grant)
+            raise BadTag("message failed authentication")
+        if isinstance(verdict, tuple) or grant is None:
+            code, reason = verdict if isinstance(verdict, tuple) else (wire.Code.UNKNOWN_GRANT, "")
+            self.ctx.stats.add("rejected_writes")
+            self.reply(wire.Status.REJECTED, code, reason)
+            return
+        with grant.lock:  # the fence: nothing lands once the grant closed
+            landed = grant.open and all(r.alive for r in verdict)
+            if landed:
+                gather.scatter([r.view for r in verdict], ops, plain)  # checked against them by `check`
+                progress = Progress(names, ops["region"].tolist(), ops["offset"].tolist(), lens)
+                progress.done, progress.finished = len(lens), True
+                grant.track(progress)
+        if not landed:
+            self.ctx.stats.add("rejected_writes")
+            self.reply(wire.Status.REJECTED, wire.Code.GRANT_CLOSED, "grant closed mid-write")
+            return
+        self.ctx.stats.add("accepted_writes")
+        self.reply(wire.Status.OK, wire.Code.OK)
 
     def check(
         self, grant: Grant | None, names: list[str], ops: np.ndarray
@@ -197,32 +230,27 @@ class Conn(SockIO):
         names: list[str],
         ops: np.ndarray,
         stop_at: float,
-        head: bytes,
     ) -> None:
+        """Without a secret: payload bytes land as they arrive, and count as they do."""
         ridx, offs, lens = ops["region"].tolist(), ops["offset"].tolist(), ops["length"].tolist()
         ends = list(itertools.accumulate(lens))  # payload position where each op ends
         n_ops = len(lens)
-        live = self.tags is None  # without a secret, progress counts as bytes land
-        progress = Progress(names, ridx, offs, lens, unverified=not live)
+        progress = Progress(names, ridx, offs, lens)
         pos = 0  # payload bytes landed
         i = bisect.bisect_right(ends, 0)  # first incomplete op (skips empty ones)
         with grant.lock:
-            if live:
-                progress.done = i
+            progress.done = i
             grant.track(progress)
         # Where each op lands; checked against its region by `check`, and `regions` keeps them alive.
         ptrs = np.array([r.addr for r in regions], np.uint64)[ops["region"]] + ops["offset"]
-        # Without a secret (Linux): recvmsg straight into an iovec table, no Python object per op.
-        io = iovec.Io(self.sock) if live and iovec.AVAILABLE else None
+        # On Linux: recvmsg straight into an iovec table, no Python object per op.
+        io = iovec.Io(self.sock) if iovec.AVAILABLE else None
         iov = iovec.table(ptrs, ops["length"]) if io is not None else np.empty((0, 2), np.uint64)
         base: list[memoryview] = []
         if io is None:
             mvs = [r.view for r in regions]
             base = [mvs[r][o : o + n] for r, o, n in zip(ridx, offs, lens, strict=True)]
         views = list(base)  # views[i] is re-sliced when op i landed partially
-        mac, hashed = None, 0  # with a secret: ops[:hashed] are in the tag's running hash
-        if not live:
-            mac = self.start_tag(head)
         sock = self.sock
         fenced = False
         try:
@@ -239,11 +267,8 @@ class Conn(SockIO):
                                 continue
                             n = got
                         else:
-                            j = i + wire.IOV_BATCH
-                            if mac is not None:  # a batch small enough to hash while it is in cache
-                                j = wire.tag_batch_end(ends, i, pos)
                             try:
-                                n = sock.recvmsg_into(views[i:j], 0, socket.MSG_DONTWAIT)[0]
+                                n = sock.recvmsg_into(views[i : i + wire.IOV_BATCH], 0, socket.MSG_DONTWAIT)[0]
                             except BlockingIOError:
                                 continue
                         if n == 0:
@@ -256,11 +281,7 @@ class Conn(SockIO):
                         partial = pos - (ends[i - 1] if i else 0)
                         if partial and io is None:
                             views[i] = base[i][partial:]
-                        if live:
-                            progress.done, progress.partial = i, partial
-                        elif mac is not None and i > hashed:  # ops that just landed are in cache: hash now
-                            mac.update_pieces(base[hashed:i])
-                            hashed = i
+                        progress.done, progress.partial = i, partial
             except (Eof, Stall, OSError):
                 self.ctx.stats.add("incomplete_writes")
                 raise
@@ -268,11 +289,6 @@ class Conn(SockIO):
                 self.ctx.stats.add("bytes_received", pos)
             if fenced:
                 self.drain((ends[-1] if ends else 0) - pos, stop_at)
-                if self.tags is not None:  # not verified: a REJECTED reply claims nothing
-                    self.recv_exact(wire.TAG_BYTES, stop_at)
-                    self.tags.received += 1
-            elif mac is not None:
-                fenced = not self._verify(grant, regions, mac, progress, stop_at)
         finally:
             with grant.lock:
                 progress.finished = True
@@ -282,25 +298,6 @@ class Conn(SockIO):
             return
         self.ctx.stats.add("accepted_writes")
         self.reply(wire.Status.OK, wire.Code.OK)
-
-    def _verify(
-        self, grant: Grant, regions: list[Region], mac: Mac, progress: Progress, stop_at: float
-    ) -> bool:
-        """Every byte landed and was hashed as it did: check the tag, and only then count the bytes.
-
-        False when the grant closed meanwhile (nothing counts); BadTag when the tag is wrong (the grant
-        is poisoned first).
-        """
-        ok = self.end_tag(mac, self.recv_exact(wire.TAG_BYTES, stop_at))
-        with grant.lock:
-            progress.finished = True
-            if not ok:
-                grant.poison()
-                raise BadTag("message failed authentication")
-            if not grant.open or not all(r.alive for r in regions):
-                return False
-            progress.done, progress.partial, progress.unverified = len(progress.lens), 0, False
-        return True
 
     @staticmethod
     def _poison(grant: Grant | None) -> None:

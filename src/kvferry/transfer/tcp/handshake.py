@@ -19,7 +19,7 @@ from kvferry.transfer.addr import canonical_addr
 from kvferry.transfer.base import TransferError, TransferErrorCause
 from kvferry.transfer.stats import Counters
 from kvferry.transfer.tcp import wire
-from kvferry.transfer.tcp.auth import Tags, derive, gmac_flag, transcript
+from kvferry.transfer.tcp.auth import Tags, derive, transcript
 from kvferry.transfer.tcp.sockio import SockIO
 
 E = TransferErrorCause
@@ -59,9 +59,9 @@ def client_handshake(sock: socket.socket, peer: str, secret: bytes | None, deadl
             raise TransferError(E.REFUSED, f"{peer} does not require the secret: not our peer")
         if server != dialed:
             raise TransferError(E.REFUSED, f"{peer} answers as {server[:100]!r}: a relay, refused")
-        cflags = wire.FLAG_AUTH | (gmac_flag() & sflags)
+        cflags = wire.FLAG_AUTH
         record = transcript(sflags, cflags, snonce, cnonce, dialed, server)
-        session = derive(secret, snonce, cnonce, record, bool(cflags & wire.FLAG_GMAC))
+        session = derive(secret, snonce, cnonce, record)
         proof = session.client_proof
     else:
         cflags, proof = 0, bytes(32)
@@ -92,7 +92,7 @@ def server_handshake(
     its slot), nothing is sent and the caller closes the connection."""
     deadline = time.monotonic() + timeout
     nonce = os.urandom(wire.NONCE_BYTES)
-    sflags = (wire.FLAG_AUTH | gmac_flag()) if secret else 0
+    sflags = wire.FLAG_AUTH if secret else 0
     me = advertised.encode()
     io.send_all(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, sflags, len(me), nonce) + me, deadline)
     magic, version, cflags, alen, cnonce, proof = wire.AUTH.unpack(io.recv_exact(wire.AUTH.size, deadline))
@@ -107,7 +107,7 @@ def server_handshake(
             status = wire.AuthStatus.MISDIRECTED
         else:
             record = transcript(sflags, cflags, nonce, cnonce, dialed, advertised)
-            session = derive(secret, nonce, cnonce, record, bool(sflags & cflags & wire.FLAG_GMAC))
+            session = derive(secret, nonce, cnonce, record)
             if hmac.compare_digest(proof, session.client_proof):
                 sproof, tags = session.server_proof, Tags.for_server(session)
             else:

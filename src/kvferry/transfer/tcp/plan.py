@@ -2,8 +2,8 @@
 
 Vectorised with numpy: this runs once per write over thousands of small ops (the 2 KiB block case),
 and a per-op Python loop cost more than the bytes themselves. A message holds at most `wire.MSG_OPS`
-ops and `wire.MSG_BYTES` payload bytes (`wire.AUTH_MSG_BYTES` when authenticated: the receiver counts
-an authenticated message only once all of it verified, so smaller ones keep progress fine-grained).
+ops and `wire.MSG_BYTES` payload bytes (`wire.AUTH_MSG_BYTES` with a secret: each side encrypts or
+decrypts a whole message in one call, into buffers it reuses, and the receiver refuses larger ones).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from kvferry.transfer.base import TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.regions import RegionTable
-from kvferry.transfer.tcp import iovec, wire
+from kvferry.transfer.tcp import gather, iovec, wire
 
 E = TransferErrorCause
 
@@ -32,6 +32,9 @@ class Message:
     # `keep` holds the source buffers alive for as long as the message may be sent.
     iov: np.ndarray | None = None
     keep: list[object] = field(default_factory=list)
+    # With a secret, when every op has one source region and one length: (that region's `windows`,
+    # the ops' source offsets); `views` is then empty and the sender gathers with one numpy call.
+    rows: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _index(names: list[str]) -> tuple[list[str], np.ndarray]:
@@ -106,9 +109,10 @@ def plan(
     if len(ln) and int(ln.max()) > max_bytes:
         so, do, ln, sid, did = _cut(so, do, ln, sid, did, max_bytes)
     ttl_ms = max(0, min(int((deadline - time.monotonic()) * 1000) + 1, 0xFFFFFFFF))
-    by_addr = not auth and iovec.AVAILABLE  # no Python object per op (the tag path hashes views)
+    by_addr = not auth and iovec.AVAILABLE  # no Python object per op (with a secret: views to encrypt)
     ptrs = np.array([r.addr for r in src], np.uint64)[sid] + so.astype(np.uint64) if by_addr else None
     messages = []
+    wins: dict[tuple[int, int], np.ndarray] = {}  # (source region, op length) → its window view
     for a, b in _bounds(ln, wire.MSG_OPS, max_bytes):
         meta = wire.encode_meta(dnames, did[a:b], do[a:b], ln[a:b])
         payload = int(ln[a:b].sum())
@@ -120,6 +124,13 @@ def plan(
             iov[0] = (iovec.address(whole), len(whole))
             iov[1:, 0], iov[1:, 1] = ptrs[a:b], ln[a:b]
             messages.append(Message(whole, [], payload, iov=iov, keep=[r.view for r in src]))
+            continue
+        size = gather.uniform(ln[a:b], sid[a:b]) if auth else 0
+        if size:
+            key = (int(sid[a]), size)
+            if key not in wins:
+                wins[key] = gather.windows(src[key[0]].view, size, writeable=False)
+            messages.append(Message(head + meta, [], payload, rows=(wins[key], so[a:b].astype(np.intp))))
             continue
         offs, lens = so[a:b].tolist(), ln[a:b].tolist()
         if len(src) == 1:

@@ -11,7 +11,6 @@ import socket
 import time
 
 from kvferry.transfer.tcp import wire
-from kvferry.transfer.tcp.mac import Mac
 
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 _POLL_OUT = select.POLLOUT | select.POLLERR | select.POLLHUP
@@ -41,18 +40,21 @@ class SockIO:
     def recv_exact(self, n: int, deadline: float, eof_ok: bool = False) -> bytes:
         """`n` bytes (a small, fixed-size frame part); Eof only when `eof_ok` and nothing came."""
         buf = bytearray(n)
-        mv = memoryview(buf)
-        got = 0
+        self.recv_into(memoryview(buf), deadline, eof_ok)
+        return bytes(buf)
+
+    def recv_into(self, buf: memoryview, deadline: float, eof_ok: bool = False) -> None:
+        """Fill `buf`; a peer that closes first sent a truncated frame (Eof if `eof_ok` and nothing came)."""
+        got, n = 0, buf.nbytes
         while got < n:
             self.wait(deadline)
             try:
-                k = self.sock.recv_into(mv[got:], n - got, socket.MSG_DONTWAIT)
+                k = self.sock.recv_into(buf[got:], n - got, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 continue
             if k == 0:
                 raise Eof() if (got == 0 and eof_ok) else wire.ProtocolError("truncated frame")
             got += k
-        return bytes(buf)
 
     def recv_grow(self, n: int, deadline: float) -> bytes:
         """`n` bytes, the buffer growing with what arrived: a claimed length costs nothing by itself."""
@@ -81,7 +83,7 @@ class SockIO:
                 if not poll_out.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                     raise Stall() from None
 
-    def drain(self, n: int, deadline: float, mac: Mac | None = None) -> None:
+    def drain(self, n: int, deadline: float) -> None:
         if self._scratch is None:
             self._scratch = memoryview(bytearray(_SCRATCH))
         while n > 0:
@@ -92,6 +94,4 @@ class SockIO:
                 continue
             if k == 0:
                 raise Eof()
-            if mac is not None:
-                mac.update(self._scratch[:k])
             n -= k
