@@ -72,8 +72,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "<= --heartbeat-timeout: fixed thresholds")
     p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
     p.add_argument("--engine-id", default=None, help="default: <role>-<advertised host>:<port>")
-    p.add_argument("--prefill-allow", action="append", default=None, metavar="HOST_OR_CIDR",
-                   help="decode: hosts whose bootstrap servers D may pull from (repeatable; default loopback)")
+    p.add_argument("--prefill-allow", action="append", default=None, metavar="HOST_OR_CIDR[:PORT]",
+                   help="decode: bootstrap servers D may pull from: a host or CIDR, any port unless one is "
+                        "given ([IPv6]:PORT); repeatable; default loopback, any port")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without KVFERRY_SECRET (anyone who reaches a port is trusted)")
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")

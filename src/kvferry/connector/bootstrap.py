@@ -9,9 +9,11 @@ never repeats what a server said in its own errors.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import threading
 import time
@@ -24,6 +26,15 @@ from fastapi import FastAPI, HTTPException
 
 from kvferry.connector.auth import derive
 from kvferry.connector.faults import FaultSpec
+from kvferry.transfer.addr import split_addr
+
+log = logging.getLogger(__name__)
+
+# Every refused or failed bootstrap target gets this answer, at the same time (below): an HTTP client of
+# D must not learn which ports are open, closed or filtered, nor what the allow-list holds (issue 31.9).
+REFUSED = ("KV bootstrap failed: no kvferry prefill answered at remote_bootstrap_addr (not allowed by "
+           "--prefill-allow, not reachable, or not proving the secret)")
+FAIL_AFTER_S = 2.0  # a failure is reported this long after the lookup began (the client's timeout)
 
 
 class RankInfo(msgspec.Struct):
@@ -136,10 +147,11 @@ class BootstrapServer:
 
 
 class BootstrapClient:
-    def __init__(self, timeout_s: float = 2.0, secret: bytes | None = None) -> None:
+    def __init__(self, timeout_s: float = FAIL_AFTER_S, secret: bytes | None = None) -> None:
         self._secret = secret
         self._http = httpx.Client(timeout=timeout_s)
         self._cache: dict[tuple[str, str], EngineInfo] = {}
+        self._answered: set[str] = set()  # servers that once gave a valid answer (with the secret: MAC'd)
         self._lock = threading.Lock()
 
     def lookup(self, bootstrap_addr: str, engine_id: str, transfer_id: str | None = None, fresh: bool = False) -> EngineInfo:
@@ -174,7 +186,12 @@ class BootstrapClient:
             raise BootstrapError(f"bootstrap server {bootstrap_addr} did not prove it knows the secret")
         with self._lock:
             self._cache[key] = info
+            self._answered.add(bootstrap_addr)
         return info
+
+    def answered_before(self, bootstrap_addr: str) -> bool:
+        with self._lock:
+            return bootstrap_addr in self._answered
 
     def cached(self, bootstrap_addr: str, engine_id: str) -> EngineInfo | None:
         with self._lock:
@@ -191,34 +208,80 @@ class BootstrapClient:
 
 LOOPBACK = ("127.0.0.0/8", "::1/128", "localhost")
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _parse_entry(entry: str) -> tuple[Network | str, int | None]:
+    """HOST, CIDR, HOST:PORT, CIDR:PORT, [IPv6]:PORT or [IPv6 CIDR]:PORT; a bare IPv6 has no port."""
+    host, port = entry, ""
+    if entry.startswith("["):
+        host, sep, rest = entry[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"--prefill-allow: {entry!r}: expected [IPv6]:PORT")
+        port = rest[1:] if rest else ""
+    elif entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+    if port and (not port.isdigit() or not 0 < int(port) < 65536):
+        raise ValueError(f"--prefill-allow: {entry!r}: the port must be 1-65535")
+    try:
+        return ipaddress.ip_network(host, strict=False), int(port) if port else None
+    except ValueError:
+        if not host or not all(c.isalnum() or c in "-." for c in host):
+            raise ValueError(f"--prefill-allow: {entry!r} is neither a host name nor an IP network") from None
+        return host.lower(), int(port) if port else None
+
 
 class PrefillAllowList:
-    """The prefill instances D may pull from, by host: IP networks (CIDR) and host names. A request
-    naming any other bootstrap server is refused before D asks it anything or holds a block."""
+    """The bootstrap servers D may ask, so the prefill instances it may pull from: each entry a host name
+    or an IP network (CIDR), with an optional port (`10.0.0.5:8998`, `10.0.0.0/24:8998`,
+    `[fd00::/64]:8998`). A bare entry allows every port of those hosts, as before ports could be named:
+    pin the bootstrap port where it is fixed. Any other target is refused before D asks it anything."""
 
     def __init__(self, entries: Sequence[str] = LOOPBACK) -> None:
         self.entries = list(entries)
-        self._networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
-        self._names: set[str] = set()
-        for entry in entries:
-            try:
-                self._networks.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                if not entry or not all(c.isalnum() or c in "-." for c in entry):
-                    raise ValueError(f"--prefill-allow: {entry!r} is neither a host name nor an IP network") from None
-                self._names.add(entry.lower())
+        self._rules = [_parse_entry(entry) for entry in entries]
 
-    def allows(self, host: str) -> bool:
+    def allows(self, host: str, port: int | None = None) -> bool:
         host = host.strip("[]")
         try:
-            ip = ipaddress.ip_address(host)
+            ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
         except ValueError:
-            return host.lower() in self._names
-        return any(ip in net for net in self._networks)
+            ip = None
+        for where, rule_port in self._rules:
+            if rule_port is not None and rule_port != port:
+                continue
+            if isinstance(where, str) and ip is None and where == host.lower():
+                return True
+            if not isinstance(where, str) and ip is not None and ip in where:
+                return True
+        return False
 
     def check(self, bootstrap_addr: str) -> None:
-        host = bootstrap_addr.rpartition(":")[0]
-        if not self.allows(host):
+        host, port = split_addr(bootstrap_addr)
+        if not port.isdigit() or not self.allows(host, int(port)):
             raise ValueError(
                 f"remote_bootstrap_addr {bootstrap_addr[:100]!r} is not an allowed prefill host (--prefill-allow)"
             )
+
+
+async def lookup_uniform(
+    client: BootstrapClient, allow: PrefillAllowList, bootstrap_addr: str, engine_id: str,
+    transfer_id: str | None, fresh: bool,
+) -> EngineInfo:
+    """`client.lookup`, off the loop, for an allowed target; any failure raises BootstrapError(REFUSED),
+    `FAIL_AFTER_S` after the call began, whatever the cause (refused by the allow-list, closed, open but
+    not kvferry, filtered, no MAC). Only a server that answered validly before fails at once and with
+    its reason: a killed P is left as fast as before, and it told D nothing new about the host."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        allow.check(bootstrap_addr)
+        call = loop.run_in_executor(None, client.lookup, bootstrap_addr, engine_id, transfer_id, fresh)
+        return await asyncio.wait_for(call, FAIL_AFTER_S)
+    except (ValueError, BootstrapError, TimeoutError) as exc:
+        reason = str(exc) if not isinstance(exc, TimeoutError) else "no answer in time"
+        if client.answered_before(bootstrap_addr):
+            raise BootstrapError(reason) from None
+        log.info("bootstrap target %.100r refused or failed: %s", bootstrap_addr, reason[:200])
+        await asyncio.sleep(max(0.0, started + FAIL_AFTER_S - loop.time()))
+        raise BootstrapError(REFUSED) from None

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import xxhash
 
+from kvferry.connector.digest import block_digest
 from kvferry.transfer.base import ByteRange, WriteOp
 
 KV_REGION = "kv"
@@ -181,11 +181,10 @@ class KVLayout(abc.ABC):
             raise ValueError("this layout cannot describe a peer with a different number of blocks")
         return self.block_runs(block_id, heads)
 
-    def checksum(self, block_id: int, heads: tuple[int, int]) -> int:
-        h = xxhash.xxh64()
-        for r in self.block_runs(block_id, heads):
-            h.update(self._byte_views[r.region][r.offset : r.end])
-        return h.intdigest()
+    def checksum(self, block_id: int, heads: tuple[int, int], key: bytes | None = None, index: int = 0) -> int:
+        """The block's digest (`digest.block_digest`): keyed with `key` (a pull's, at position `index`)."""
+        views = self._byte_views
+        return block_digest((views[r.region][r.offset : r.end] for r in self.block_runs(block_id, heads)), key, index)
 
     @functools.cached_property
     def _byte_views(self) -> dict[str, memoryview]:

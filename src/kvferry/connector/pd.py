@@ -91,7 +91,7 @@ class PDScheduler:
         self._dead: list[tuple[str, str]] = []
         self._to_pull: list[PullSpec] = []
         self._pulling: set[str] = set()
-        self._allow = PrefillAllowList(config.prefill_allow)
+        PrefillAllowList(config.prefill_allow)  # a bad entry fails here, at start
         # P: transfer_id → the request that owns it, from admission until its blocks are freed; HTTP
         # handlers claim, the engine thread releases.
         self.claims: dict[str, str] = {}
@@ -137,13 +137,8 @@ class PDScheduler:
 
     def claim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
         params = kv_transfer_params or {}
-        if self.is_decode:
-            if params.get("do_remote_prefill"):
-                try:
-                    self._allow.check(str(params.get("remote_bootstrap_addr", "")))
-                except ValueError as exc:
-                    raise AdmissionError(str(exc)) from None
-            return
+        if self.is_decode:  # a bootstrap target outside --prefill-allow fails in the consumer, as every
+            return  # failed target does: one answer at one time, no port oracle (issue 31.9)
         transfer_id = params.get("transfer_id")
         if params.get("do_remote_decode") and isinstance(transfer_id, str):
             with self._claims_lock:

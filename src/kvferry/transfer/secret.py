@@ -35,7 +35,8 @@ LABELS = {
     "control": b"kvferry/2 control mac",  # sealed ZMQ control messages
     "prompt": b"kvferry/2 prompt digest",  # the keyed prompt digest P compares with D's
     "bootstrap": b"kvferry/2 bootstrap",  # P's bootstrap answers
-    "tcp": b"kvferry/2 tcp data plane",  # the TCP data plane's handshake proofs and tag keys
+    "tcp": b"kvferry/2 tcp data plane",  # the TCP data plane's handshake proofs and AES-GCM keys
+    "block": b"kvferry/2 block digest",  # + transfer id + grant: the keyed per-block digest D checks
 }
 _HEX = frozenset(string.hexdigits)
 _BASE64 = frozenset(string.ascii_letters + string.digits + "+/-_")

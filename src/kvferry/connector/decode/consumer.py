@@ -19,7 +19,13 @@ from collections.abc import Iterable
 import zmq
 import zmq.asyncio
 
-from kvferry.connector.bootstrap import BootstrapClient, BootstrapError, EngineInfo, PrefillAllowList
+from kvferry.connector.bootstrap import (
+    BootstrapClient,
+    BootstrapError,
+    EngineInfo,
+    PrefillAllowList,
+    lookup_uniform,
+)
 from kvferry.connector.decode.dealer import Dealer
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.decode.progress import Landed, p_working_since, stall_stage
@@ -160,23 +166,14 @@ class Consumer:
             self._handle_failed_recv([pull], "transport", f"receiver error: {exc!r}")
 
     async def _lookup(self, spec: PullSpec) -> EngineInfo:
-        try:  # the HTTP edge refuses these with 400; vLLM's requests reach us here. Never ask that host.
-            self._allow.check(spec.bootstrap_addr)
-        except ValueError as exc:
-            raise BootstrapError(str(exc)) from None
         injected = self.config.faults.fault_for(spec.transfer_id) == "bootstrap"
         cached = self.bootstrap.cached(spec.bootstrap_addr, spec.engine_id)
         # A cached answer is trusted only while we are connected to its ranks: a P restarted at the
         # same address has new ZMQ ports, so ask again rather than pull from a dead port.
         fresh = injected or (self.config.liveness and cached is not None and not self._connected(cached))
-        return await self.loop.run_in_executor(
-            None,
-            self.bootstrap.lookup,
-            spec.bootstrap_addr,
-            spec.engine_id,
-            spec.transfer_id if injected else None,
-            fresh,
-        )
+        # A target outside the allow-list is never asked; every failure is one answer at one time.
+        return await lookup_uniform(self.bootstrap, self._allow, spec.bootstrap_addr, spec.engine_id,
+                                    spec.transfer_id if injected else None, fresh)
 
     def _connected(self, info: EngineInfo) -> bool:
         live = {addr for (_, addr), dealer in self._dealers.items() if dealer.connected}

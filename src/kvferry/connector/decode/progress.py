@@ -47,7 +47,7 @@ class Landed:
     def _checksum_ok(self, pull: PullMeta, task: PullTask, index: int) -> bool:
         if index >= len(task.checksums):
             return False
-        return self.layout.checksum(pull.block_ids[index], task.heads) == task.checksums[index]
+        return self.layout.checksum(pull.block_ids[index], task.heads, task.digest_key, index) == task.checksums[index]
 
     def close_grant(self, task: PullTask) -> None:
         if task.grant is not None:

@@ -73,6 +73,7 @@ class PullTask:
     grant: str | None = None
     written: list[ByteRange] | None = None  # final, once the grant is closed
     checksums: list[int] = field(default_factory=list)
+    digest_key: bytes | None = field(default=None, repr=False)  # with a secret: `digest.block_key`
     future: asyncio.Future[PullResponse] | None = None
     done: bool = False
     first_token: FirstToken | None = None  # from P's FINISH

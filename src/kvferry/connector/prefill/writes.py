@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvferry.connector.digest import block_key
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, overlap, write_ops
 from kvferry.connector.messages import FirstToken, HeartbeatAck, PullRequest, PullResponse, Status
@@ -67,7 +68,8 @@ class RankWriter:
         n = len(src) if num_blocks is None else num_blocks
         self.shared.layout.stage_out(src)
         ops = write_ops(self.shared.layout, src[:n], pull.block_ids[:n], heads, pull.d_num_blocks, pull.d_layout)
-        checksums = [self.shared.layout.checksum(b, heads) for b in src] if pull.want_checksums else []
+        key = block_key(self.shared.secret, pull.transfer_id, pull.grant_token)  # keyed with a secret (#31)
+        checksums = [self.shared.layout.checksum(b, heads, key, i) for i, b in enumerate(src)] if pull.want_checksums else []
         return ops, checksums
 
     def serve(self, reply: Reply, identity: bytes, pull: PullRequest, w: Write, blocks: list[int],
