@@ -53,6 +53,9 @@ class ConnContext:
     admit: Callable[[Conn], bool]  # handshake done: moves it to the proven budget (False: close it)
 
 
+_REPLY_BATCH = 4096  # bytes of replies held back at most
+
+
 class Oversized(wire.ProtocolError):
     pass
 
@@ -72,13 +75,23 @@ class Conn(SockIO):
         self.tags: Tags | None = None  # set by an authenticated handshake
         self._sealed = bytearray()  # with a secret: the message being staged (ciphertext + tag) ...
         self._plain = bytearray()  # ... and its plaintext once verified
+        self._replies = bytearray()  # replies not sent yet (`reply`)
 
     def reply(self, status: wire.Status, code: wire.Code, reason: str = "") -> None:
+        """Replies go out in order; an OK waits while the next message is already arriving (the client
+        reads replies once it sent every message): one send for many 1 MiB sealed messages, not one each."""
         data = wire.encode_reply(status, code, reason)
         if self.tags is not None:  # the reply to message k carries a tag with sequence number k
             data += self.tags.send.tag(self.tags.sent, data)
             self.tags.sent += 1
-        self.send_all(data, time.monotonic() + self.limits.handshake_timeout)
+        self._replies += data
+        if status != wire.Status.OK or len(self._replies) > _REPLY_BATCH or not self._poll_in.poll(0):
+            self.flush()
+
+    def flush(self) -> None:
+        if self._replies:
+            data, self._replies = bytes(self._replies), bytearray()
+            self.send_all(data, time.monotonic() + self.limits.handshake_timeout)
 
     def serve(self) -> None:
         stats = self.ctx.stats
@@ -107,6 +120,8 @@ class Conn(SockIO):
             stats.add("frame_timeouts")
         except (Eof, OSError):
             pass
+        with contextlib.suppress(OSError, Stall):  # what was answered before the peer went away
+            self.flush()
 
     def serve_message(self) -> bool:
         """Handle one write message; False when the peer closed or idled out between messages."""
