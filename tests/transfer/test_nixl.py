@@ -19,6 +19,7 @@ from kvferry.harness.peer import PeerProcess
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.nixl import api as nixl_api
 from kvferry.transfer.nixl import wire as nw
+from kvferry.transfer.secret import WeakSecret
 
 if not nixl_api.available():
     pytest.skip(f"nixl not installed: {nixl_api.IMPORT_ERROR}", allow_module_level=True)
@@ -27,6 +28,9 @@ from kvferry.transfer.nixl.engine import CHUNK_BYTES, NixlTransferEngine  # noqa
 
 MiB = 1 << 20
 E = TransferErrorCause
+SECRET = b"nixl tests: a secret of 128+ bits"
+GUESS = b"a stranger's guess, 128 bits too"
+ENV_SECRET = "bml4bC10ZXN0cy1mcm9tLWVudi0xMjgtYml0cw"
 Make = Callable[..., NixlTransferEngine]
 
 
@@ -46,7 +50,7 @@ def engines() -> Iterator[Make]:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[NixlTransferEngine, NixlTransferEngine, np.ndarray, np.ndarray]]:
-    a, b = NixlTransferEngine(secret=b"s"), NixlTransferEngine(secret=b"s")
+    a, b = NixlTransferEngine(secret=SECRET), NixlTransferEngine(secret=SECRET)
     src, dst = pattern(16 * MiB, 1), np.zeros(16 * MiB, np.uint8)
     a.register("src", src)
     b.register("dst", dst)
@@ -171,16 +175,16 @@ def test_bad_requests_are_invalid_locally(engines: Make) -> None:
 
 
 def test_forged_token_and_forged_notifications_are_refused(engines: Make) -> None:
-    d = engines(secret=b"deployment")
+    d = engines(secret=SECRET)
     mem = np.zeros(MiB, np.uint8)
     d.register("dst", mem)
     token = d.open_grant([ByteRange("dst", 0, MiB)])
-    stranger = engines(secret=b"guess")
+    stranger = engines(secret=GUESS)
     stranger.register("src", pattern(MiB, 5))
     op = [WriteOp("src", 0, "dst", 0, 4096)]
     _fails(E.REJECTED, lambda: stranger.write(d.address, token, op, time.monotonic() + 5))  # token tag
     # A stranger that somehow holds a valid token but not the notification keys: D drops its requests.
-    real = nw.Keys.from_secret(b"deployment")
+    real = nw.Keys.from_secret(SECRET)
     assert real is not None
     stranger._keys = nw.Keys(real.token, b"x" * 32, b"y" * 32)
     _fails(E.TIMEOUT, lambda: stranger.write(d.address, token, op, time.monotonic() + 1.0))
@@ -189,15 +193,26 @@ def test_forged_token_and_forged_notifications_are_refused(engines: Make) -> Non
 
 
 def test_peer_with_the_secret_from_env(engines: Make, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVFERRY_SECRET", "from-env")
+    monkeypatch.setenv("KVFERRY_SECRET", ENV_SECRET)
     a, b = engines(), engines()
     src, dst = pattern(65536, 6), np.zeros(65536, np.uint8)
     a.register("src", src)
     b.register("dst", dst)
     token = b.open_grant([ByteRange("dst", 0, 65536)])
-    assert nw.decode_token(token, nw.Keys.from_secret(b"from-env")).address == b.address
+    assert nw.decode_token(token, nw.Keys.from_secret(ENV_SECRET.encode())).address == b.address
     a.write(b.address, token, [WriteOp("src", 0, "dst", 0, 65536)], time.monotonic() + 10)
     assert np.array_equal(src, dst)
+
+
+def test_weak_secret_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine takes the secret rules of transfer/secret.py (it read KVFERRY_SECRET itself before)."""
+    with pytest.raises(WeakSecret):
+        NixlTransferEngine(secret=b"deployment")
+    monkeypatch.setenv("KVFERRY_SECRET", "from-env")
+    with pytest.raises(WeakSecret):
+        NixlTransferEngine()
+    with pytest.raises(WeakSecret):
+        nw.Keys.from_secret(b"guess")
 
 
 def test_dead_receiver_is_reset_fast_and_frozen_one_times_out(engines: Make) -> None:

@@ -37,6 +37,7 @@ LABELS = {
     "bootstrap": b"kvferry/2 bootstrap",  # P's bootstrap answers
     "tcp": b"kvferry/2 tcp data plane",  # the TCP data plane's handshake proofs and AES-GCM keys
     "block": b"kvferry/2 block digest",  # + transfer id + grant: the keyed per-block digest D checks
+    "nixl": b"kvferry/2 nixl",  # + " token" / " p2d" / " d2p": the NIXL engine's token and notification tags
 }
 _HEX = frozenset(string.hexdigits)
 _BASE64 = frozenset(string.ascii_letters + string.digits + "+/-_")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.transfer import secret as secret_rules
 from kvferry.transfer.addr import advertised_addr, canonical_addr
 from kvferry.transfer.base import ByteRange, TransferEngine, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.nixl import api as nixl_api
@@ -93,9 +93,8 @@ class NixlTransferEngine(TransferEngine):
     ) -> None:
         if not nixl_api.available():
             raise TransferError(E.INVALID, f"nixl is not installed ({nixl_api.INSTALL_HINT})")
-        if secret is None:
-            secret = os.environ.get("KVFERRY_SECRET") or None
-        key = (secret.encode() if isinstance(secret, str) else secret) or None
+        # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything binds.
+        key = secret_rules.from_env() if secret is None else (secret_rules.check_secret(secret) if secret else None)
         self._keys = nw.Keys.from_secret(key)
         self._reserved = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:

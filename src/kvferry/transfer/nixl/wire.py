@@ -8,7 +8,7 @@ D's agent name and its *connection-only* metadata (no memory is described), and 
 - ACK (D → P): how D's read of one chunk ended; CANCEL (P → D): P gave up on a write; PING (P → D):
   a probe that fails at once when D's connection is gone.
 With a deployment secret every token and notification carries a 16-byte HMAC-SHA256 tag under a key
-derived from it for that use alone (token, P → D, D → P), so a token or notification made without
+derived from it by HKDF for that use alone (token, P → D, D → P; `transfer/secret.py`), so a token or notification made without
 the secret is refused; without one the tag is all zeros and the 128-bit grant id is the capability,
 as the TCP engine's token is.
 """
@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvferry.transfer.secret import derive_key
 
 TAG = 16
 _TOKEN_HEAD = struct.Struct("<4sB16s")  # magic, version, grant id
@@ -43,10 +45,6 @@ class WireError(ValueError):
     """An undecodable token or notification, or one whose tag does not verify."""
 
 
-def derive(secret: bytes, purpose: bytes) -> bytes:
-    return hmac.digest(secret, b"kvferry nixl/1 " + purpose, "sha256")
-
-
 @dataclass(frozen=True, slots=True)
 class Keys:
     token: bytes
@@ -57,7 +55,8 @@ class Keys:
     def from_secret(cls, secret: bytes | None) -> Keys | None:
         if not secret:
             return None
-        return cls(derive(secret, b"token"), derive(secret, b"p2d"), derive(secret, b"d2p"))
+        # HKDF under one label per use (transfer/secret.py); a weak secret raises WeakSecret here too
+        return cls(*(derive_key(secret, "nixl", context=b" " + use) for use in (b"token", b"p2d", b"d2p")))
 
 
 def _tag(key: bytes | None, data: bytes) -> bytes:
