@@ -52,15 +52,16 @@ class PD:
 
     def __init__(self, model_dir: str, policy: str = "fail", faults: str = "", layout: str = "LBNHC",
                  num_blocks: int = 64, abort_timeout_s: float = 10.0,
-                 roles: tuple[str, str] = ("kv_producer", "kv_consumer"), staging: str = "auto") -> None:
+                 roles: tuple[str, str] = ("kv_producer", "kv_consumer"), staging: str = "auto",
+                 p_tp: int = 1, d_tp: int = 1) -> None:
         common: dict[str, Any] = {"faults": faults, "abort_timeout_s": abort_timeout_s, "kv_load_deadline_s": 15.0,
                                   "staging": staging}
         self.faults = FaultSpec.parse(faults)
         self.p = Instance("P", model_dir, roles[0], {**common, "bootstrap_port": free_port()},
-                          layout=layout, num_blocks=num_blocks)
+                          layout=layout, num_blocks=num_blocks, tp_size=p_tp)
         try:
             self.d = Instance("D", model_dir, roles[1], {**common, "bootstrap_port": free_port()},
-                              policy=policy, layout=layout, num_blocks=num_blocks)
+                              policy=policy, layout=layout, num_blocks=num_blocks, tp_size=d_tp)
         except BaseException:
             self.p.close()
             raise
@@ -315,9 +316,9 @@ def test_request_queued_on_a_busy_p_outlives_ds_receive_timeout(make_pd: Any) ->
     assert all(h.status == RequestStatus.RUNNING for h in hogs)
     forward = pd.p._forward
 
-    def busy_forward(num_scheduled: dict[str, int]) -> None:
+    def busy_forward(num_scheduled: dict[str, int], rank: int = 0) -> None:
         time.sleep(0.1)  # a long model step: P's engine spends most of its time inside steps
-        forward(num_scheduled)
+        forward(num_scheduled, rank)
 
     pd.p._forward = busy_forward  # type: ignore[method-assign]
     transfer_id = f"xfer-{uuid.uuid4()}"

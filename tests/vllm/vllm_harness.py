@@ -7,6 +7,11 @@ engine without a model: a real `Scheduler` (whose scheduler-side connector vLLM 
 the token prefix (so recomputation reproduces the same bytes) and samples a deterministic token.
 `step()` drives the connector exactly as vLLM's model runner does (bind metadata, start_load_kv,
 wait_for_save, get_transfer_results, get_block_ids_with_load_errors, build_connector_worker_meta).
+
+With `tp_size` N the instance has N workers, each with its own connector and KV tensors holding its
+slice of the KV heads (as vLLM's tensor parallel workers do); their step outputs are merged by vLLM's own
+`KVOutputAggregator`, and their bootstrap entries reach the scheduler's connector as vLLM's engine core
+hands them over (`set_xfer_handshake_metadata_pp_aware`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
@@ -34,6 +40,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvferry.integrations import vllm_worker
 from kvferry.integrations.vllm import KVFerryConnector
 from vllm import SamplingParams
 
@@ -69,7 +76,7 @@ def write_model_dir(path: Path) -> str:
 
 
 def vllm_config(model_dir: str, kv_role: str, extra: dict[str, Any], policy: str = "fail",
-                num_blocks: int = 64, layout: str = "LBNHC") -> VllmConfig:
+                num_blocks: int = 64, layout: str = "LBNHC", tp_size: int = 1) -> VllmConfig:
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
                             enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=False)
@@ -80,6 +87,7 @@ def vllm_config(model_dir: str, kv_role: str, extra: dict[str, Any], policy: str
     config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=kv,
                         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = num_blocks
+    config.parallel_config.tensor_parallel_size = tp_size  # after validation: no process groups here
     return config
 
 
@@ -99,10 +107,11 @@ def token_after(prefix: list[int]) -> int:
 
 class Instance:
     def __init__(self, name: str, model_dir: str, kv_role: str, extra: dict[str, Any], policy: str = "fail",
-                 num_blocks: int = 64, layout: str = "LBNHC") -> None:
-        self.name = name
-        self.config = vllm_config(model_dir, kv_role, extra, policy, num_blocks, layout)
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                 num_blocks: int = 64, layout: str = "LBNHC", tp_size: int = 1) -> None:
+        self.name, self.tp_size = name, tp_size
+        self.config = vllm_config(model_dir, kv_role, extra, policy, num_blocks, layout, tp_size)
+        # Each worker holds NUM_KV_HEADS / tp_size heads (vLLM's per-rank KV cache spec).
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
                                  dtype=torch.float16)
         self.kv_cache_config = get_kv_cache_config_from_groups(
             self.config, [KVCacheGroupSpec(list(LAYER_NAMES), spec)], available_memory=1 << 40
@@ -113,10 +122,27 @@ class Instance:
         connector = self.scheduler.get_kv_connector()
         assert isinstance(connector, KVFerryConnector)
         self.connector: KVFerryConnector = connector
-        self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
+        self.workers: list[KVFerryConnector] = []
+        self.worker_caches: list[dict[str, torch.Tensor]] = []
+        real_rank = vllm_worker.worker_tp_rank
+        try:
+            for rank in range(tp_size):
+                # One process holds every worker here: each learns its rank as vLLM's process group tells it.
+                vllm_worker.worker_tp_rank = lambda size, rank=rank: rank  # type: ignore[misc]
+                caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
                                            self.config.cache_config.get_resolved_kv_cache_layout())
-        self.worker = KVFerryConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.worker.register_kv_caches(self.kv_caches)
+                worker = KVFerryConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+                worker.register_kv_caches(caches)
+                self.workers.append(worker)
+                self.worker_caches.append(caches)
+        finally:
+            vllm_worker.worker_tp_rank = real_rank
+        self.worker, self.kv_caches = self.workers[0], self.worker_caches[0]
+        # vLLM's engine core: every worker's handshake metadata, keyed (pp rank, tp rank), to the scheduler.
+        handshakes = {(0, r): m for r, w in enumerate(self.workers) if (m := w.get_handshake_metadata()) is not None}
+        if handshakes:
+            self.connector.set_xfer_handshake_metadata_pp_aware(pickle.loads(pickle.dumps(handshakes)))
+        self.aggregator = KVOutputAggregator(expected_finished_count=tp_size)
         # Prefix-cache hashes, as vLLM's engine core sets them up.
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -166,27 +192,32 @@ class Instance:
         return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
 
     def block_bytes(self, block_id: int) -> list[torch.Tensor]:
-        """Block `block_id` of every layer, as [heads, tokens, content] copies."""
-        return [self.kv_caches[name][block_id].clone() for name in LAYER_NAMES]
+        """Block `block_id` of every layer, as [heads, tokens, content] copies (all workers' heads)."""
+        return [torch.cat([caches[name][block_id] for caches in self.worker_caches]) for name in LAYER_NAMES]
 
     # ---- one engine step ------------------------------------------------------------------------------
     def step(self) -> None:
         so = self.scheduler.schedule()
-        worker = self.worker
-        # Crosses a process boundary in a real server: it must survive pickling.
-        worker.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
-        worker.start_load_kv(None)
-        self._forward(so.num_scheduled_tokens)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(so.finished_req_ids)
-        kv_out = KVConnectorOutput(
-            finished_sending=results.finished_sending,
-            finished_recving=results.finished_recving,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=pickle.loads(pickle.dumps(worker.build_connector_worker_meta())),
-        )
-        worker.clear_connector_metadata()
+        outputs: list[ModelRunnerOutput | None] = []
+        for rank, worker in enumerate(self.workers):
+            # Crosses a process boundary in a real server: it must survive pickling.
+            worker.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
+            worker.start_load_kv(None)
+            self._forward(so.num_scheduled_tokens, rank)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(so.finished_req_ids)
+            rank_out = KVConnectorOutput(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=pickle.loads(pickle.dumps(worker.build_connector_worker_meta())),
+            )
+            worker.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=rank_out))
+        merged = self.aggregator.aggregate(outputs)
+        assert merged is not None and merged.kv_connector_output is not None
+        kv_out = merged.kv_connector_output
         self.sent += sorted(kv_out.finished_sending or ())
         self.received += sorted(kv_out.finished_recving or ())
         self.invalid += sorted(kv_out.invalid_block_ids)
@@ -202,8 +233,11 @@ class Instance:
             for o in outs.outputs:
                 self.outputs.setdefault(o.request_id, []).append(o)
 
-    def _forward(self, num_scheduled: dict[str, int]) -> None:
-        """Write the KV of every scheduled token (a pure function of its prefix) into its slot."""
+    def _forward(self, num_scheduled: dict[str, int], rank: int = 0) -> None:
+        """Write the KV of every scheduled token (a pure function of its prefix) into its slot: worker
+        `rank`'s slice of the heads."""
+        per = NUM_KV_HEADS // self.tp_size
+        caches = self.worker_caches[rank]
         for req_id, n in num_scheduled.items():
             request = self.scheduler.requests[req_id]
             tokens = request.all_token_ids
@@ -213,7 +247,7 @@ class Instance:
                 kv = kv_of(list(tokens[: pos + 1]))
                 block, slot = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
                 for layer, name in enumerate(LAYER_NAMES):
-                    self.kv_caches[name][block, :, slot, :] = kv[layer]
+                    caches[name][block, :, slot, :] = kv[layer, rank * per:(rank + 1) * per]
 
     def run_until(self, done: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
@@ -232,9 +266,11 @@ class Instance:
         pool = s.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, f"{self.name}: blocks leaked"
         assert all(block.ref_cnt == 0 for block in pool.blocks), f"{self.name}: blocks still referenced"
-        stats = self.worker.stats()
-        assert all(v["pending_pulls"] == 0 and v["pending_sends"] == 0 for v in stats.values()), stats
+        for worker in self.workers:
+            stats = worker.stats()
+            assert all(v["pending_pulls"] == 0 and v["pending_sends"] == 0 for v in stats.values()), stats
 
     def close(self) -> None:
-        self.worker.shutdown(timeout_s=2.0)
+        for worker in self.workers:
+            worker.shutdown(timeout_s=2.0)
         self.connector.shutdown()

@@ -78,16 +78,23 @@ class LayoutDescription(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     num_blocks: int
     kernel_blocks: int  # kernel blocks per scheduler block
     segments: list[StridedSegment]
+    # The model-wide index of the first KV head held here: a tensor-parallel rank holds heads
+    # [first_head, first_head + dims[0]) of every layer (vLLM's workers hold only their own slice).
+    first_head: int = 0
+    num_kv_heads: int = 0  # the model's KV heads in all (0: those held here)
 
 
 def strided_block_runs(desc: LayoutDescription, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
     """Byte runs of `heads` of one block, segment by segment, adjacent runs merged."""
     if not 0 <= block_id < desc.num_blocks:
         raise ValueError(f"block id {block_id} out of range [0, {desc.num_blocks})")
-    h0, h1 = heads
+    h0, h1 = heads[0] - desc.first_head, heads[1] - desc.first_head  # model-wide → held here
     out: list[ByteRange] = []
     for seg in desc.segments:
-        (_, head_stride), *rest = seg.dims
+        (held, head_stride), *rest = seg.dims
+        if not 0 <= h0 < h1 <= held:
+            raise ValueError(f"heads {heads} are not among the KV heads held here "
+                             f"[{desc.first_head}, {desc.first_head + held})")
         dims = [(h1 - h0, head_stride), *rest]
         for kb in range(block_id * desc.kernel_blocks, (block_id + 1) * desc.kernel_blocks):
             for offset, length in _runs(seg.base + kb * seg.block_stride + h0 * head_stride, dims, seg.itemsize):
@@ -155,14 +162,22 @@ class KVLayout(abc.ABC):
         if peer.kernel_blocks != ours.kernel_blocks or len(peer.segments) != len(ours.segments):
             return (f"peer has {len(peer.segments)} layer(s) x {peer.kernel_blocks} kernel block(s) per block, "
                     f"we have {len(ours.segments)} x {ours.kernel_blocks}")
+        # The head dim may differ (P's and D's tensor parallel sizes split the heads differently); the
+        # model's head count may not.
+        peer_heads = peer.num_kv_heads or (peer.segments[0].dims[0][0] if peer.segments else 0)
         for a, b in zip(ours.segments, peer.segments, strict=True):
-            if [n for n, _ in a.dims] != [n for n, _ in b.dims] or a.itemsize != b.itemsize:
-                return f"peer layer shape {[n for n, _ in b.dims]} x {b.itemsize} B differs from ours"
+            if ([n for n, _ in a.dims[1:]] != [n for n, _ in b.dims[1:]] or a.itemsize != b.itemsize
+                    or peer_heads != self.num_kv_heads):
+                return (f"peer layer shape {[n for n, _ in b.dims]} x {b.itemsize} B of {peer_heads} KV heads "
+                        f"differs from ours ({self.num_kv_heads} KV heads)")
         if peer.num_blocks < 1:
             return f"peer has {peer.num_blocks} blocks"
-        mine = [r.length for r in self.block_runs(0, (0, self.num_kv_heads))]
-        theirs = [r.length for r in strided_block_runs(peer, 0, (0, self.num_kv_heads))]
-        if mine != theirs:
+        # Bytes are copied in order, so both sides must order a block's dims alike; the runs may be cut
+        # differently (a slice of the heads is one run where a side holds only those heads).
+        mine = [r.length for r in self.block_runs(0, (ours.first_head, ours.first_head + 1))]
+        theirs = [r.length for r in strided_block_runs(peer, 0, (peer.first_head, peer.first_head + 1))]
+        orders = [(_dim_order(a), _dim_order(b)) for a, b in zip(ours.segments, peer.segments, strict=True)]
+        if mine != theirs or any(a != b for a, b in orders):
             return "peer's KV layout orders a block's bytes differently (use the same VLLM_KV_CACHE_LAYOUT)"
         return None
 
@@ -219,6 +234,31 @@ class PagedKVLayout(KVLayout):
         return [ByteRange(KV_REGION, off, n) for off, n in spec.head_runs(block_id, *heads)]
 
 
+def _dim_order(seg: StridedSegment) -> list[int]:
+    """The dims after the block dim from outermost to innermost in memory (size-1 dims left out: their
+    stride says nothing)."""
+    return sorted((i for i, (size, _) in enumerate(seg.dims) if size > 1), key=lambda i: -seg.dims[i][1])
+
+
+def _aligned(src: list[ByteRange], dst: list[ByteRange]) -> list[tuple[ByteRange, ByteRange]]:
+    """The same bytes cut into runs on each side (P and D hold different head slices): pieces of equal
+    length, in order."""
+    if sum(r.length for r in src) != sum(r.length for r in dst):
+        raise ValueError("peer's KV layout orders a block's bytes differently")
+    out: list[tuple[ByteRange, ByteRange]] = []
+    i = j = si = dj = 0  # run index and bytes used of it, per side
+    while i < len(src):
+        s, d = src[i], dst[j]
+        n = min(s.length - si, d.length - dj)
+        out.append((ByteRange(s.region, s.offset + si, n), ByteRange(d.region, d.offset + dj, n)))
+        si, dj = si + n, dj + n
+        if si == s.length:
+            i, si = i + 1, 0
+        if dj == d.length:
+            j, dj = j + 1, 0
+    return out
+
+
 def head_range(num_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     if tp_size < 1 or num_heads % tp_size:
         raise ValueError(f"{num_heads} KV heads cannot be split over tp={tp_size}")
@@ -265,9 +305,7 @@ def write_ops(
     ends: dict[tuple[str, int, str, int], int] = {}  # where an op ends (src, dst) → its index
     for src, dst in zip(src_blocks, dst_blocks, strict=True):
         src_runs, dst_runs = layout.block_runs(src, heads), layout.peer_block_runs(dst, heads, n_dst, dst_layout)
-        if [r.length for r in src_runs] != [r.length for r in dst_runs]:
-            raise ValueError("peer's KV layout orders a block's bytes differently")
-        for s, d in zip(src_runs, dst_runs, strict=True):
+        for s, d in _aligned(src_runs, dst_runs):
             k = ends.pop((s.region, s.offset, d.region, d.offset), None)
             if k is None:
                 k = len(ops)

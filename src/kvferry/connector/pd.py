@@ -30,6 +30,9 @@ class PDConfig:
     engine_id: str
     host: str = "127.0.0.1"
     tp_size: int = 1
+    # None: this process serves every rank (kvferry's engine); r: only rank r (a vLLM worker), and its
+    # bootstrap registration is handed to whoever runs the bootstrap server (`PDWorker.registrations`).
+    tp_rank: int | None = None
     block_size: int = 16
     bootstrap_port: int = 8998
     abort_timeout_s: float = 30.0

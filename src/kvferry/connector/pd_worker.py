@@ -46,7 +46,9 @@ class PDWorker:
 
     def register_kv_layout(self, layout: KVLayout) -> None:
         """Any memory layout (vLLM's per-layer tensors, say) that can name a block's byte runs."""
-        self.transfer_engines = [self._new_transfer_engine(rank) for rank in range(self.config.tp_size)]
+        ranks = range(self.config.tp_size) if self.config.tp_rank is None else [self.config.tp_rank]
+        engines = {rank: self._new_transfer_engine(rank) for rank in ranks}
+        self.transfer_engines = list(engines.values())
         if self.is_decode:
             consumer_config = ConsumerConfig(
                 self.config.tp_size,
@@ -61,20 +63,31 @@ class PDWorker:
                 prefill_allow=self.config.prefill_allow,
             )
             bootstrap = BootstrapClient(secret=self.config.secret)
-            self.consumer = Consumer(layout, self.transfer_engines, consumer_config, self.metrics, bootstrap)
+            self.consumer = Consumer(layout, engines, consumer_config, self.metrics, bootstrap)
             self._install_waker()
             return
         self.producer = Producer(
-            layout, self.transfer_engines, self.config.host, self.config.abort_timeout_s,
+            layout, engines, self.config.host, self.config.abort_timeout_s,
             self.config.faults, self.metrics, self.config.secret,
             control_port=self.config.control_port, advertise_host=self.config.advertised_host,
+            tp_size=self.config.tp_size,
         )
+        self._install_waker()
+        if self.config.tp_rank is not None:
+            return  # one rank of several processes: the engine's owner serves the bootstrap
         self.bootstrap_server = BootstrapServer(self.config.host, self.config.bootstrap_port, self.config.faults,
                                                 self.config.secret)
-        for rank, addr in enumerate(self.producer.control_addrs):
-            self.bootstrap_server.register(Registration(self.config.engine_id, self.config.tp_size, rank, addr))
+        for reg in self.registrations():
+            self.bootstrap_server.register(reg)
         self.bootstrap_server.start()
-        self._install_waker()
+
+    def registrations(self) -> list[Registration]:
+        """P: the bootstrap entries of the ranks this process serves (their control addresses)."""
+        if self.producer is None:
+            return []
+        ranks = sorted(self.producer.engines)
+        return [Registration(self.config.engine_id, self.config.tp_size, rank, addr)
+                for rank, addr in zip(ranks, self.producer.control_addrs, strict=True)]
 
     def _new_transfer_engine(self, rank: int) -> TransferEngine:
         port = self.config.data_port and self.config.data_port + rank

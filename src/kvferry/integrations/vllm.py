@@ -52,8 +52,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from kvferry.connector.base import ConnectorRole
 from kvferry.connector.pd_connector import PDConnector
+from kvferry.integrations import vllm_worker
 from kvferry.integrations.vllm_layout import VllmKVLayout
-from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
+from kvferry.integrations.vllm_metadata import (
+    KVFerryConnectorMetadata,
+    KVFerryHandshake,
+    KVFerryWorkerMetadata,
+)
 from kvferry.integrations.vllm_metrics import KVFerryPromMetrics, KVFerryStats
 from kvferry.integrations.vllm_scheduler import KVFerryScheduler
 from kvferry.integrations.vllm_settings import KVFerrySettings, kvferry_roles
@@ -70,13 +75,19 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         kv_config = self._kv_transfer_config
         roles = kvferry_roles(vllm_config, kv_cache_config, kv_config.kv_role)
-        self.settings = KVFerrySettings.from_extra_config(
-            dict(kv_config.kv_connector_extra_config or {}), str(kv_config.engine_id)
+        extra = dict(kv_config.kv_connector_extra_config or {})
+        parallel = vllm_config.parallel_config
+        tp_size = int(parallel.tensor_parallel_size)
+        self.settings = KVFerrySettings.from_extra_config(extra, str(kv_config.engine_id)).for_data_parallel(
+            int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra
         )
         self.block_size = int(vllm_config.cache_config.block_size)
-        pd_role = ConnectorRole.SCHEDULER if role == KVConnectorRole.SCHEDULER else ConnectorRole.WORKER
-        self.pd: dict[str, PDConnector] = {r: PDConnector(pd_role, self.settings.pd_config(r, self.block_size))
-                                           for r in roles}
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        pd_role = ConnectorRole.SCHEDULER if is_scheduler else ConnectorRole.WORKER
+        tp_rank = 0 if is_scheduler else vllm_worker.worker_tp_rank(tp_size)
+        self.pd: dict[str, PDConnector] = {
+            r: PDConnector(pd_role, self.settings.pd_config(r, self.block_size, tp_size, tp_rank)) for r in roles
+        }
         # One half per role, as vLLM builds one connector per role: the scheduler's in the engine core,
         # the worker's in the worker.
         self.connector_scheduler: KVFerryScheduler | None = None
@@ -84,7 +95,7 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVFerryScheduler(self.pd)
         else:
-            self.connector_worker = KVFerryWorker(self.pd, self.settings, self.block_size)
+            self.connector_worker = KVFerryWorker(self.pd, self.settings, self.block_size, tp_rank, tp_size)
 
     def _scheduler(self) -> KVFerryScheduler:
         assert self.connector_scheduler is not None, "a scheduler call on the worker's connector"
@@ -114,6 +125,9 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._worker().connector_cpus
 
     # ---- scheduler role ---------------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._scheduler().set_handshake(metadata)
+
     def on_new_request(self, request: Any) -> None:
         self._scheduler().on_new_request(request)
 
@@ -172,11 +186,16 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_worker_meta(self) -> KVFerryWorkerMetadata | None:
         return self._worker().build_connector_worker_meta()
 
+    def get_handshake_metadata(self) -> KVFerryHandshake | None:
+        return self._worker().get_handshake_metadata()
+
     # ---- both -------------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Close kvferry's endpoints; bounded, so a stuck socket never hangs vLLM's exit."""
 
         def close_all() -> None:
+            if self.connector_scheduler is not None:
+                self.connector_scheduler.close()
             for pd in self.pd.values():
                 pd.close()
 

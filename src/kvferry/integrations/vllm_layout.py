@@ -114,10 +114,12 @@ class VllmKVLayout(KVLayout):
     """
 
     def __init__(
-        self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, staging: bool | None = None
+        self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, staging: bool | None = None,
+        tp_rank: int = 0, tp_size: int = 1,
     ) -> None:
         """`staging`: None stages when a tensor is not in host memory; True always; False never (a device
-        tensor is then refused)."""
+        tensor is then refused). `tp_rank` of `tp_size`: the tensors hold this rank's slice of the
+        model's KV heads; block runs are asked for by model-wide head indices."""
         if not kv_caches:
             raise UnsupportedKVCacheError("no KV cache tensors to register")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -140,12 +142,15 @@ class VllmKVLayout(KVLayout):
         heads = {layer.dims[0][0] for layer in self._layers}
         if len(heads) != 1:
             raise UnsupportedKVCacheError(f"layers disagree on the number of KV heads: {sorted(heads)}")
-        self.num_kv_heads = heads.pop()
+        held = heads.pop()
+        if not 0 <= tp_rank < tp_size:
+            raise UnsupportedKVCacheError(f"tensor parallel rank {tp_rank} out of range for size {tp_size}")
+        self.num_kv_heads = held * tp_size  # model-wide; this rank holds [tp_rank * held, ... + held)
         self._block_bytes = sum(
             self._ratio * math.prod(size for size, _ in layer.dims) * layer.itemsize for layer in self._layers
         )
-
-        self._description = LayoutDescription(num_blocks, self._ratio, self._layers)
+        self._description = LayoutDescription(num_blocks, self._ratio, self._layers, tp_rank * held,
+                                              self.num_kv_heads)
 
     def _add_layer(self, name: str, cache: Any) -> StridedSegment:
         import torch

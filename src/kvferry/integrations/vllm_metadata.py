@@ -1,13 +1,28 @@
 """What KVFerryConnector's halves send each other through vLLM (pickled, across processes): the
-scheduler's per-step instructions to the worker, and the worker's failure causes back."""
+scheduler's per-step instructions to the worker, the worker's failure causes back, and once at start
+each worker's bootstrap entries (vLLM's KV connector handshake metadata)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
+from kvferry.connector.bootstrap import Registration
 from kvferry.connector.pd import PDMetadata
+
+
+@dataclass
+class KVFerryHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """Worker → engine core, once after the KV cache is registered: the bootstrap entries (control
+    addresses) of the P ranks this worker serves. vLLM gathers every rank's and hands them to the
+    scheduler half, which serves P's bootstrap for the whole engine."""
+
+    registrations: list[Registration] = field(default_factory=list)
 
 
 @dataclass

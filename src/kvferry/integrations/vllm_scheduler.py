@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.connector.bootstrap import BootstrapServer
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.params import (
     KVTransferParamsError,
@@ -23,7 +24,11 @@ from kvferry.connector.params import (
 )
 from kvferry.connector.pd import PDMetadata
 from kvferry.connector.pd_connector import PDConnector
-from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
+from kvferry.integrations.vllm_metadata import (
+    KVFerryConnectorMetadata,
+    KVFerryHandshake,
+    KVFerryWorkerMetadata,
+)
 from kvferry.integrations.vllm_metrics import KVFerryStats
 from kvferry.integrations.vllm_settings import DECODE, PREFILL
 
@@ -88,6 +93,32 @@ class KVFerryScheduler:
         # Requests already told to the prefill side as queued (reported once; forgotten when they finish).
         self.queued: OrderedDict[str, None] = OrderedDict()
         self._warned_local = False
+        self.bootstrap_server: BootstrapServer | None = None
+
+    # ---- once at start ------------------------------------------------------------------------------
+    def set_handshake(self, metadata: dict[int, Any]) -> None:
+        """P: vLLM hands over every worker's bootstrap entries (tensor parallel rank → handshake) once
+        the KV caches are registered; the engine core serves P's bootstrap for all its ranks."""
+        prefill = self.pd.get(PREFILL)
+        if prefill is None or self.bootstrap_server is not None:
+            return
+        config = prefill.config
+        regs = [reg for m in metadata.values() if isinstance(m, KVFerryHandshake) for reg in m.registrations]
+        ranks = sorted(reg.tp_rank for reg in regs)
+        if ranks != list(range(config.tp_size)):
+            raise RuntimeError(f"kvferry: bootstrap entries for P ranks {ranks}, expected 0..{config.tp_size - 1}: "
+                               "a worker did not register its KV cache")
+        server = BootstrapServer(config.host, config.bootstrap_port, config.faults, config.secret)
+        for reg in regs:
+            server.register(reg)
+        server.start()
+        self.bootstrap_server = server
+        log.info("kvferry bootstrap on %s:%d serves engine %s, %d rank(s)", config.host, config.bootstrap_port,
+                 config.engine_id, config.tp_size)
+
+    def close(self) -> None:
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop()
 
     def _view(self, request: Any) -> _RequestView:
         params = request.kv_transfer_params

@@ -4,6 +4,7 @@ connector starts (an unknown key, an open host without a secret or a bad fault s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -26,9 +27,18 @@ def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple
     """The kvferry sides (prefill, decode) this vLLM instance runs, or ValueError for a vLLM setup
     kvferry does not support."""
     parallel = vllm_config.parallel_config
-    if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size) != (1, 1, 1):
-        raise ValueError("KVFerryConnector supports one worker per engine (tensor, pipeline and data parallel "
-                         "size 1); run one vLLM instance per GPU instead")
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("KVFerryConnector does not support pipeline parallelism yet (pipeline_parallel_size "
+                         f"{parallel.pipeline_parallel_size}): each stage would hold only its own layers' KV")
+    model = vllm_config.model_config
+    if getattr(model, "use_mla", False):
+        raise ValueError("KVFerryConnector does not support MLA models yet (one latent KV per token, the "
+                         "same on every tensor parallel rank)")
+    tp = int(parallel.tensor_parallel_size)
+    heads = int(model.get_total_num_kv_heads())
+    if heads % tp:
+        raise ValueError(f"KVFerryConnector: tensor_parallel_size {tp} does not divide the model's {heads} KV "
+                         "heads (vLLM then replicates heads across ranks, which kvferry does not map yet)")
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
         raise ValueError("KVFerryConnector supports a single KV cache group (no hybrid allocator)")
     if kv_role not in ROLES:
@@ -109,12 +119,27 @@ class KVFerrySettings:
         FaultSpec.parse(settings.faults)  # raises on a bad spec
         return settings
 
-    def pd_config(self, role: str, block_size: int) -> PDConfig:
+    def for_data_parallel(self, dp_rank: int, dp_size: int, tp_size: int, engine_id_given: bool) -> KVFerrySettings:
+        """Each data parallel rank is its own engine: its own engine id (vLLM already suffixes its own
+        id with `_dp<rank>`; one from the extra config gets the same), bootstrap port + dp_rank, and
+        fixed ports shifted past the lower ranks' ranks."""
+        if dp_size <= 1:
+            return self
+        return dataclasses.replace(
+            self,
+            engine_id=f"{self.engine_id}_dp{dp_rank}" if engine_id_given else self.engine_id,
+            bootstrap_port=self.bootstrap_port + dp_rank,
+            control_port=self.control_port and self.control_port + dp_rank * tp_size,
+            data_port=self.data_port and self.data_port + dp_rank * tp_size,
+        )
+
+    def pd_config(self, role: str, block_size: int, tp_size: int = 1, tp_rank: int = 0) -> PDConfig:
         return PDConfig(
             role=role,
             engine_id=self.engine_id,
             host=self.host,
-            tp_size=1,  # one vLLM worker process = one kvferry rank
+            tp_size=tp_size,
+            tp_rank=tp_rank,  # one vLLM worker process = one kvferry rank of tp_size
             block_size=block_size,
             bootstrap_port=self.bootstrap_port,
             abort_timeout_s=self.abort_timeout_s,

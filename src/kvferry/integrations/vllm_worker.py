@@ -1,6 +1,11 @@
 """KVFerryConnector's worker half, in vLLM's worker (the model runner's process): it hands kvferry the
 KV cache's layout, starts each step's sends and pulls, and tells the scheduler which ended: each
-finished id once per direction, and only ids vLLM still holds (anything else would trip its asserts)."""
+finished id once per direction, and only ids vLLM still holds (anything else would trip its asserts).
+
+Under tensor parallelism every worker is one kvferry rank: its own data plane, its own control socket
+(P) and its own pulls (D rank r pulls exactly its heads from the P ranks that hold them). vLLM's
+`KVOutputAggregator` finishes a request only when every rank reported it and unions the ranks' invalid
+blocks, so one rank's failed load fails (or recomputes) the whole request on every rank."""
 
 from __future__ import annotations
 
@@ -10,7 +15,11 @@ from typing import TYPE_CHECKING, Any
 from kvferry.connector.pd_connector import PDConnector
 from kvferry.integrations.vllm_affinity import connector_affinity, cpu_list
 from kvferry.integrations.vllm_layout import VllmKVLayout
-from kvferry.integrations.vllm_metadata import KVFerryConnectorMetadata, KVFerryWorkerMetadata
+from kvferry.integrations.vllm_metadata import (
+    KVFerryConnectorMetadata,
+    KVFerryHandshake,
+    KVFerryWorkerMetadata,
+)
 from kvferry.integrations.vllm_settings import PREFILL, KVFerrySettings
 
 if TYPE_CHECKING:
@@ -19,11 +28,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvferry.integrations.vllm.worker")
 
 
+def worker_tp_rank(tp_size: int) -> int:
+    """This worker's rank in its tensor parallel group (vLLM's process groups are up by now)."""
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 class KVFerryWorker:
     """The worker half: vLLM's worker-side calls on the `PDConnector` of each role this instance runs."""
 
-    def __init__(self, pd: dict[str, PDConnector], settings: KVFerrySettings, block_size: int) -> None:
+    def __init__(self, pd: dict[str, PDConnector], settings: KVFerrySettings, block_size: int,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         self.pd, self.settings, self.block_size = pd, settings, block_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.layout: VllmKVLayout | None = None
         self.connector_cpus: set[int] = set()
         # ids the scheduler may be told about (each once)
@@ -32,7 +52,8 @@ class KVFerryWorker:
         self._causes: dict[str, tuple[str, str]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging])
+        self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging],
+                                   self.tp_rank, self.tp_size)
         # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
         # CPU worker pins itself to its OMP cores), they would starve behind the model.
         with connector_affinity() as cpus:
@@ -40,6 +61,11 @@ class KVFerryWorker:
                 pd.register_kv_layout(self.layout)
         self.connector_cpus = cpus
         log.info("kvferry connector threads run on CPUs %s", cpu_list(cpus))
+
+    def get_handshake_metadata(self) -> KVFerryHandshake | None:
+        """P: this rank's bootstrap entry, for the engine core's bootstrap server (None on a D)."""
+        prefill = self.pd.get(PREFILL)
+        return None if prefill is None else KVFerryHandshake(prefill.worker.registrations())
 
     def start_load_kv(self, meta: Any) -> None:
         assert isinstance(meta, KVFerryConnectorMetadata)

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import zmq
 import zmq.asyncio
@@ -37,6 +37,7 @@ from kvferry.connector.decode.pulls import (
     PullSpec,
     PullTask,
 )
+from kvferry.connector.digest import block_key
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
 from kvferry.connector.messages import (
     MAX_MESSAGE_BYTES,
@@ -65,22 +66,23 @@ class Consumer:
     def __init__(
         self,
         layout: KVLayout,
-        engines: list[TransferEngine],
+        engines: Sequence[TransferEngine] | Mapping[int, TransferEngine],
         config: ConsumerConfig,
         metrics: Metrics,
         bootstrap: BootstrapClient | None = None,
     ) -> None:
         self.layout = layout
-        self.engines = engines
+        # D rank → its engine: every rank (kvferry's engine), or only this process's (a vLLM worker)
+        self.engines = dict(engines) if isinstance(engines, Mapping) else dict(enumerate(engines))
         self.config = config
         self.metrics = metrics
         self.bootstrap = bootstrap or BootstrapClient()
         self._allow = PrefillAllowList(config.prefill_allow)
-        for engine in engines:
+        for engine in self.engines.values():
             for name, buffer in layout.regions().items():
                 engine.register(name, buffer)
         self.outbox = Outbox()
-        self._landed = Landed(layout, engines)
+        self._landed = Landed(self.outbox, layout, self.engines)
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers: dict[tuple[int, str], Dealer] = {}
         self._ctx = zmq.asyncio.Context()
@@ -177,12 +179,14 @@ class Consumer:
 
     def _connected(self, info: EngineInfo) -> bool:
         live = {addr for (_, addr), dealer in self._dealers.items() if dealer.connected}
-        return all(rank.control_addr in live for rank in info.ranks)
+        heads, d_tp = self.layout.num_kv_heads, self.config.tp_size  # only the P ranks our D ranks pull from
+        needed = {p for d in self.engines for p in p_ranks_for(heads, info.tp_size, d_tp, d)}
+        return all(rank.control_addr in live for rank in info.ranks if rank.tp_rank in needed)
 
     def _send_pulls(self, pull: PullMeta, info: EngineInfo) -> None:
         heads_total = self.layout.num_kv_heads
         d_tp = self.config.tp_size
-        for d_rank in range(d_tp):
+        for d_rank in self.engines:
             for p_rank in p_ranks_for(heads_total, info.tp_size, d_tp, d_rank):
                 heads = overlap(heads_total, info.tp_size, p_rank, d_tp, d_rank)
                 assert heads is not None
@@ -192,6 +196,7 @@ class Consumer:
             engine = self.engines[task.d_rank]
             ranges = [r for b in pull.block_ids for r in self.layout.block_runs(b, task.heads)]
             task.grant = engine.open_grant(ranges)
+            task.digest_key = block_key(self.config.secret, pull.spec.transfer_id, task.grant)
             task.future = self.loop.create_future()
             request = PullRequest(
                 transfer_id=pull.spec.transfer_id,
@@ -275,7 +280,7 @@ class Consumer:
         if pull.block_ids:  # a release-only pull is not the scheduler's business
             # P's first token, when every P rank named the same one (they sample once, in one engine).
             tokens = {t.first_token for t in pull.tasks}
-            self.outbox.report(pull.request_id, first_token=tokens.pop() if len(tokens) == 1 else None)
+            self._landed.report(pull, first_token=tokens.pop() if len(tokens) == 1 else None)
 
     def _stage_in(self, block_ids: list[int]) -> bool:
         try:
@@ -303,7 +308,7 @@ class Consumer:
             bad = set(invalid)  # under `recompute` the scheduler keeps the blocks before the first bad one
             if not self._stage_in([b for b in pull.block_ids if b not in bad]):
                 invalid = list(pull.block_ids)
-            self.outbox.report(pull.request_id, invalid, (cause, message))
+            self._landed.report(pull, invalid, (cause, message))  # held while a grant drains
 
     def _end(self, pull: PullMeta) -> float:
         """The pull is over (success, failure or abort): no byte may land after this. Returns when P
@@ -345,7 +350,7 @@ class Consumer:
             elif pull.block_ids:  # aborted before P was asked: a release-only pull frees P's blocks
                 self._start(dataclasses.replace(pull.spec, block_ids=[]))
             if pull.block_ids:
-                self.outbox.report(request_id)
+                self._landed.report(pull)
 
     def _dealer(self, d_rank: int, addr: str) -> Dealer:
         dealer = self._dealers.get((d_rank, addr))

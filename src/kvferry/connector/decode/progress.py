@@ -1,22 +1,36 @@
 """What D knows of a pull's progress: which blocks landed complete and correct (grants closed, byte
-coverage, P's checksums), and where a stalled pull stands (for the deadline's message)."""
+coverage, P's checksums), when its blocks may go back to the scheduler (no grant of it draining), and
+where a stalled pull stands (for the deadline's message)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from kvferry.connector.decode.dealer import Dealer
-from kvferry.connector.decode.pulls import PullMeta, PullTask
+from kvferry.connector.decode.pulls import Outbox, PullMeta, PullTask
 from kvferry.connector.layout import KVLayout
+from kvferry.connector.messages import FirstToken
 from kvferry.transfer.base import TransferEngine, covered
 
 Dealers = dict[tuple[int, str], Dealer]  # (D rank, P control address) → its DEALER
+DRAIN_POLL_S = 0.05  # how often a held pull's grants are asked whether they drained
+log = logging.getLogger(__name__)
 
 
 class Landed:
-    """Judges the bytes P wrote into D's blocks."""
+    """Judges the bytes P wrote into D's blocks, and hands each pull's outcome to the scheduler (the
+    outbox) only once no grant of it can still receive bytes: a NIXL grant closed under reads still
+    posted (a frozen P) is *draining*, and blocks handed back then would be freed or recomputed while
+    those reads land in them (issue 31.10b). Such a pull is held (its request stays waiting for remote
+    KV, its blocks allocated) until its grants drained."""
 
-    def __init__(self, layout: KVLayout, engines: list[TransferEngine]) -> None:
+    def __init__(self, outbox: Outbox, layout: KVLayout, engines: dict[int, TransferEngine]) -> None:
         self.layout = layout
         self.engines = engines
+        self.outbox = outbox
+        self.held: dict[str, tuple[PullMeta, list[int], tuple[str, str] | None, FirstToken | None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
 
     def invalid_indices(self, pull: PullMeta) -> list[int]:
         """Blocks not completely and correctly written by every P rank they need (all, if unknown)."""
@@ -51,8 +65,33 @@ class Landed:
 
     def close_grant(self, task: PullTask) -> None:
         if task.grant is not None:
-            task.written = self.engines[task.d_rank].close_grant(task.grant)
+            engine = self.engines[task.d_rank]
+            task.written = engine.close_grant(task.grant)
+            if engine.draining(task.grant):
+                task.fenced = task.grant
             task.grant = None
+
+    def report(
+        self, pull: PullMeta, invalid: list[int] | None = None, cause: tuple[str, str] | None = None,
+        first_token: FirstToken | None = None,
+    ) -> None:
+        """The pull's outcome to the scheduler, now or once its grants drained (on the consumer's loop)."""
+        self.held[pull.request_id] = (pull, invalid or [], cause, first_token)
+        if self._draining(pull):
+            log.warning("blocks of %s held back: P's reads posted before the close have not ended", pull.request_id)
+        self._flush()
+
+    def _draining(self, pull: PullMeta) -> bool:
+        return any(t.fenced and self.engines[t.d_rank].draining(t.fenced) for t in pull.tasks)
+
+    def _flush(self) -> None:
+        self._timer = None
+        for request_id, (pull, invalid, cause, first_token) in list(self.held.items()):
+            if not self._draining(pull):
+                del self.held[request_id]
+                self.outbox.report(request_id, invalid, cause, first_token)
+        if self.held and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(DRAIN_POLL_S, self._flush)
 
 
 def stall_stage(pull: PullMeta, dealers: Dealers, now: float) -> str:

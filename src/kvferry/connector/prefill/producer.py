@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import zmq
@@ -33,7 +34,7 @@ class Producer:
     def __init__(
         self,
         layout: KVLayout,
-        engines: list[TransferEngine],
+        engines: Sequence[TransferEngine] | Mapping[int, TransferEngine],
         host: str,
         abort_timeout_s: float,
         faults: FaultSpec,
@@ -42,17 +43,19 @@ class Producer:
         *,
         control_port: int = 0,
         advertise_host: str | None = None,
+        tp_size: int | None = None,
     ) -> None:
-        """`control_port`: rank r's ROUTER binds it + r (0: the kernel picks); `advertise_host`: the host
-        D is told to dial (default `host`)."""
+        """`engines`: one per P rank, or rank → engine for only the ranks this process serves (a vLLM
+        worker is one rank of `tp_size`); `control_port`: rank r's ROUTER binds it + r (0: the kernel
+        picks); `advertise_host`: the host D is told to dial (default `host`)."""
         self.layout = layout
         self.secret = secret  # seals every control message (connector/auth.py); None: loopback only
-        self.tp_size = len(engines)
-        self.engines = engines
+        self.engines = dict(engines) if isinstance(engines, Mapping) else dict(enumerate(engines))
+        self.tp_size = len(self.engines) if tp_size is None else tp_size
         self.abort_timeout_s = abort_timeout_s
         self.metrics = metrics
         self._scratch = np.frombuffer(b"\xa5" * 64, dtype=np.uint8).copy()
-        for engine in engines:
+        for engine in self.engines.values():
             for name, buffer in layout.regions().items():
                 engine.register(name, buffer)
             engine.register(SCRATCH_REGION, self._scratch)
@@ -63,10 +66,10 @@ class Producer:
         self._ctx = zmq.Context()
         self.senders = PeerSenders("kv-send")
         # The loops get exactly what they use, never the producer itself.
-        self._shared = RankShared(self._ctx, self._stop, self._in_step, secret, layout, engines, self.table,
-                                  self.senders, faults, metrics, abort_timeout_s)
+        self._shared = RankShared(self._ctx, self._stop, self._in_step, secret, layout, self.engines, self.table,
+                                  self.senders, faults, metrics, abort_timeout_s, self.tp_size)
         self._ranks = [RankLoop(self._shared, rank, host, control_port and control_port + rank, advertise_host or host)
-                       for rank in range(self.tp_size)]
+                       for rank in self.engines]
         self.control_addrs = [r.address for r in self._ranks]  # advertised
         self.control_bound = [r.bound for r in self._ranks]
         for r in self._ranks:
@@ -125,4 +128,4 @@ class Producer:
     def _pairs(self, d_tp: int) -> set[tuple[int, int]]:
         """(P rank, D rank) pairs that share heads: a transfer is done when each was served."""
         heads = self.layout.num_kv_heads
-        return {(p, d) for p in range(self.tp_size) for d in d_ranks_for(heads, self.tp_size, p, d_tp)}
+        return {(p, d) for p in self.engines for d in d_ranks_for(heads, self.tp_size, p, d_tp)}

@@ -131,7 +131,7 @@ class RankLoop(threading.Thread):
             self._drain_socket()
         self._retry_parked()
         self._flush()
-        if self.rank == 0:
+        if self.rank == min(self.shared.engines):  # one loop sweeps
             self._guard("lease sweep", lambda: self._cancel(self.shared.table.expire(polled - overrun)))
 
     def _cancel(self, writes: list[Write]) -> None:

@@ -38,12 +38,13 @@ class RankShared:
     in_step: threading.Event  # set while the engine is inside a step
     secret: bytes | None  # seals every control message (connector/auth.py); None: loopback only
     layout: KVLayout
-    engines: list[TransferEngine]  # one per P rank: rank 0's lease sweep cancels writes on any of them
+    engines: dict[int, TransferEngine]  # P rank → engine, the ranks served here (the first sweeps leases)
     table: TransferTable
     senders: PeerSenders
     faults: FaultSpec
     metrics: Metrics
     abort_timeout_s: float
+    tp_size: int  # P's tensor parallel size (this process may serve only some of its ranks)
 
 
 def response(pull: PullRequest, status: Status, **kw: object) -> PullResponse:
@@ -62,7 +63,7 @@ class RankWriter:
         self, block_ids: list[int], pull: PullRequest, num_blocks: int | None = None
     ) -> tuple[list[WriteOp], list[int]]:
         """Ops for the first `num_blocks` blocks (default all), and the checksums of all of them."""
-        heads = overlap(self.shared.layout.num_kv_heads, len(self.shared.engines), self.rank, pull.d_tp_size, pull.d_tp_rank)
+        heads = overlap(self.shared.layout.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank)
         assert heads is not None
         src = block_ids[: len(pull.block_ids)]
         n = len(src) if num_blocks is None else num_blocks
