@@ -27,46 +27,18 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
     return out
 
 
-def subtract_spans(spans: list[Span], cut: list[Span]) -> list[Span]:
-    """`spans` minus `cut`, both merged and sorted (one pass over each)."""
-    out: list[Span] = []
-    j = 0
-    for region, start, end in spans:
-        while j < len(cut) and (cut[j][0], cut[j][2]) <= (region, start):
-            j += 1  # cuts wholly before this span
-        k = j
-        while start < end and k < len(cut) and cut[k][0] == region and cut[k][1] < end:
-            if cut[k][1] > start:
-                out.append((region, start, cut[k][1]))
-            start = max(start, cut[k][2])
-            k += 1
-        if start < end:
-            out.append((region, start, end))
-    return out
-
-
 class Progress:
     """How far one incoming message got: ops[:done] complete, then `partial` bytes of ops[done].
 
     The receive loop only bumps two integers per chunk; spans are built when someone asks.
     """
 
-    __slots__ = ("names", "ridx", "offs", "lens", "done", "partial", "folded", "finished", "unverified")
+    __slots__ = ("names", "ridx", "offs", "lens", "done", "partial", "folded", "finished")
 
-    def __init__(
-        self, names: list[str], ridx: list[int], offs: list[int], lens: list[int], unverified: bool = False
-    ) -> None:
+    def __init__(self, names: list[str], ridx: list[int], offs: list[int], lens: list[int]) -> None:
         self.names, self.ridx, self.offs, self.lens = names, ridx, offs, lens
         self.done = self.partial = self.folded = 0
         self.finished = False  # no byte will land any more (complete, fenced or connection gone)
-        # With a secret: bytes may have landed under every op of this message and its tag has not
-        # verified yet, so none of its ranges may be reported written (see `Grant.landed`).
-        self.unverified = unverified
-
-    def touched(self) -> list[Span]:
-        """Every range this message's ops may have written."""
-        names, ridx, offs = self.names, self.ridx, self.offs
-        return [(names[ridx[k]], offs[k], offs[k] + n) for k, n in enumerate(self.lens) if n]
 
     def fold(self, out: list[Span]) -> None:
         """Append the spans completed since the last fold (and the current partial prefix)."""
@@ -95,9 +67,6 @@ class Grant:
             )
         self._landed: list[Span] = []  # merged
         self._active: list[Progress] = []  # messages landing (or that landed) since the last fold
-        # Ranges that unverified bytes reached and no tag will ever vouch for (merged): never reported,
-        # even where an earlier message had verified them (its bytes may have been overwritten).
-        self._tainted: list[Span] = []
         self.poisoned = False  # a tag failed on this grant: nothing of it counts, nothing more lands
 
     def track(self, progress: Progress) -> None:
@@ -111,20 +80,15 @@ class Grant:
         self.open = False
 
     def landed(self) -> list[ByteRange]:
-        """Verified ranges minus every range an unverified message may have touched. Caller holds `lock`."""
+        """What landed (with a secret only verified messages land, whole). Caller holds `lock`."""
         if self.poisoned:
             return []
         spans = self._landed
-        held: list[Span] = []  # ranges of messages still landing unverified: out for now
         for p in self._active:
             p.fold(spans)
-            if p.unverified:  # finished or closed unverified: its tag will never count
-                (self._tainted if p.finished or not self.open else held).extend(p.touched())
         self._active = [p for p in self._active if not p.finished]
         self._landed = merge_spans(spans)
-        self._tainted = merge_spans(self._tainted)
-        out = subtract_spans(self._landed, merge_spans(self._tainted + held))
-        return [ByteRange(r, s, e - s) for r, s, e in out]
+        return [ByteRange(r, s, e - s) for r, s, e in self._landed]
 
     def outside(self, region: str, offsets: np.ndarray, lengths: np.ndarray) -> bool:
         """True when any [offset, offset+length) is not inside one allowed (merged) range."""
