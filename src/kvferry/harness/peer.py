@@ -3,7 +3,8 @@
     python -m kvferry.harness.peer --size BYTES [--region dst] [--transfer tcp|nixl]
 
 Prints `{"address": ..., "pid": ...}` once listening, then answers one JSON line per command:
-grant, written, close_grant, stats, fill, digest. Exits when stdin closes.
+grant, written, close_grant, stats, fill, digest, and write (this process as the sender, from its
+region). Exits when stdin closes.
 A separate process gives honest numbers (no GIL shared with the sender) and can be frozen or killed.
 """
 
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 import xxhash
 
-from kvferry.transfer.base import ByteRange, TransferError
+from kvferry.transfer.base import ByteRange, TransferError, WriteOp
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 if TYPE_CHECKING:
@@ -45,6 +46,10 @@ def handle(engine: TcpTransferEngine | NixlTransferEngine, mem: np.ndarray, cmd:
         return {"ranges": _dump(engine.written(cmd["token"]))}
     if op == "close_grant":
         return {"ranges": _dump(engine.close_grant(cmd["token"]))}
+    if op == "write":  # ops: [src offset, dst region, dst offset, length], from this process's region
+        ops = [WriteOp(str(cmd["region"]), int(s), str(r), int(d), int(n)) for s, r, d, n in cmd["ops"]]
+        engine.write(str(cmd["peer"]), str(cmd["token"]), ops, time.monotonic() + float(cmd.get("timeout", 30)))
+        return {}
     if op == "stats":
         return {"stats": engine.stats, "cpu": time.process_time()}
     if op == "fill":
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             if not line.strip():
                 continue
             try:
-                out = handle(engine, mem, json.loads(line))
+                out = handle(engine, mem, {"region": args.region, **json.loads(line)})
             except (TransferError, ValueError, KeyError) as e:
                 out = {"error": str(e)}
             print(json.dumps(out), flush=True)
@@ -122,9 +127,16 @@ class PeerProcess:
         return out
 
     def call(self, cmd: str, **kw: Any) -> dict[str, Any]:
+        self.send(cmd, **kw)
+        return self._read()
+
+    def send(self, cmd: str, **kw: Any) -> None:
+        """Send a command without waiting; `reply` reads its answer (e.g. a write the test freezes)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
         self.proc.stdin.flush()
+
+    def reply(self) -> dict[str, Any]:
         return self._read()
 
     def grant(self, ranges: list[ByteRange]) -> str:

@@ -78,7 +78,8 @@ class TransferEngine(abc.ABC):
 
     @abc.abstractmethod
     def close_grant(self, token: str) -> list[ByteRange]:
-        """Close the grant; once this returns no further byte lands. Returns the final `written` list."""
+        """Close the grant: no byte lands after this returns, or (see `draining`) after the grant has
+        drained; nothing that lands after it counts. Returns the final `written` list."""
 
     @abc.abstractmethod
     def write(self, peer: str, token: str, ops: Sequence[WriteOp], deadline: float) -> None:
@@ -91,6 +92,12 @@ class TransferEngine(abc.ABC):
     def abort_writes(self, peer: str, token: str | None = None) -> None:  # noqa: B027 (optional: a no-op is correct)
         """Best effort: make the write to `peer` for grant `token` (all writes to `peer` when None) in
         flight fail now rather than at its deadline."""
+
+    def draining(self, token: str) -> bool:
+        """True while a closed grant's memory may still receive bytes (a read posted before the close
+        that has neither ended nor been cancelled): the caller must not reuse that memory yet. An
+        engine whose `close_grant` waits for everything in flight never drains."""
+        return False
 
     @property
     def tracks_progress(self) -> bool:

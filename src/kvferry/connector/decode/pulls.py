@@ -72,6 +72,7 @@ class PullTask:
     control_addr: str
     grant: str | None = None
     written: list[ByteRange] | None = None  # final, once the grant is closed
+    fenced: str = ""  # the closed grant, when bytes may still land in it (`TransferEngine.draining`)
     checksums: list[int] = field(default_factory=list)
     digest_key: bytes | None = field(default=None, repr=False)  # with a secret: `digest.block_key`
     future: asyncio.Future[PullResponse] | None = None

@@ -10,8 +10,9 @@ with a NIXL READ, after checking that every destination lies inside the open gra
   connection-only metadata, the grant id and the regions ops may name);
 - `written` is exactly what D's own completed reads wrote; the sender's write returns once D
   acknowledged every chunk (ACK), so by the time P replies OK on the control plane D has counted it;
-- `close_grant` is a fence on every transport: no read starts after it, and it waits for reads of
-  the grant already posted (with cma a read completes inside the call that posts it);
+- `close_grant` never waits: no read starts after it and none that ends counts; reads of the grant
+  already posted (a frozen sender holds them over UCX's tcp; with cma a read completes inside the call
+  that posts it) may still land, so the grant is `draining` until each has ended;
 - with KVFERRY_SECRET, tokens and notifications carry HMAC tags under keys derived from it: a REQ,
   ACK or token made without the secret is refused (counted in `stats`); without a secret the 128-bit
   grant id is the capability, as with the TCP engine.
@@ -56,7 +57,7 @@ CHUNK_OPS = 8192
 PROBE_S = 0.05  # while waiting for acks, a PING this often notices a dead receiver
 POLL_MIN_S, POLL_MAX_S = 0.0001, 0.002  # the pump's sleep between polls, while it has work
 IDLE_POLL_S = 0.05  # ... and while it has none
-COUNTERS = ("rejected_writes", "bad_notes", "replayed_notes", "late_reads", "failed_reads", "fence_timeouts",
+COUNTERS = ("rejected_writes", "bad_notes", "replayed_notes", "late_reads", "failed_reads", "fences_deferred",
             "unacked")
 
 
@@ -148,7 +149,10 @@ class NixlTransferEngine(TransferEngine):
         return self._recv.written(token)
 
     def close_grant(self, token: str) -> list[ByteRange]:
-        return self._recv.close(token)
+        return self._recv.close(token)  # returns at once; reads still posted make it `draining`
+
+    def draining(self, token: str) -> bool:
+        return self._recv.draining(token)
 
     def write(self, peer: str, token: str, ops: Sequence[WriteOp], deadline: float) -> None:
         self._check_open()

@@ -4,8 +4,14 @@ D never describes its memory to anyone: a grant token carries connection-only me
 (REQ notification) and D itself reads the bytes into the grant with a NIXL READ, after checking that
 every destination lies inside the open grant and that the sender's deadline has not passed. So the
 grant is enforced by D, progress is what D's own completed reads wrote (`written`), and `close`
-is a fence: it marks the grant closed (no read starts afterwards) and waits until the reads of the
-grant already posted have ended (with cma they complete inside the posting call).
+is a fence that never waits: it marks the grant closed (no read starts afterwards, none that ends
+counts) and returns the final `written` at once. Reads of the grant already posted (with cma they
+complete inside the posting call; over UCX's tcp they need the sender's progress, so a frozen sender
+holds them) may still land bytes: until each has ended (done or failed, as NIXL reports it), the grant
+is *draining* and its memory must not be reused (`draining`, which D's consumer asks before it hands
+the blocks back). A read is never cancelled to end it sooner: NIXL's release of an active read over
+UCX's tcp reports success, and its bytes still land when the sender resumes (measured: all 64 MiB of
+a "cancelled" read landed after SIGCONT; tests/transfer/test_nixl_fence.py).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from kvferry.transfer.nixl.regions import NixlRegions, Peers
 
 log = logging.getLogger(__name__)
 E = TransferErrorCause
-FENCE_WAIT_S = 30.0  # close_grant waits this long for posted reads (never reached with cma)
 
 
 @dataclass(eq=False)
@@ -83,11 +88,17 @@ class Receiver:
         self._by_token: dict[str, Grant] = {}
         self._by_gid: dict[bytes, Grant] = {}
         self._reads: list[Read] = []
+        self._draining: dict[str, Grant] = {}  # closed grants with reads still posted
         self._boot = nw.boot_id()
 
     @property
     def busy(self) -> bool:
         return bool(self._by_token or self._reads)
+
+    def draining(self, token: str) -> bool:
+        """True while a closed grant still has posted reads (bytes may land): keep its memory."""
+        with self._lock:
+            return token in self._draining
 
     # ---- grants -----------------------------------------------------------------------------------
     def open(self, ranges: Sequence[ByteRange]) -> str:
@@ -131,17 +142,14 @@ class Receiver:
                 self._by_gid.pop(grant.gid, None)
         if grant is None:
             raise TransferError(E.INVALID, "unknown or closed grant")
-        self._fence(grant)
         with grant.cond:
+            grant.open = False  # from here no read starts and none that ends counts
+            if grant.inflight:
+                with self._lock:  # the pump drops it when its last read ends (`_finish`)
+                    self._draining[token] = grant
+                self._count("fences_deferred")
             grant.landed = merge_spans(grant.landed)
             return [ByteRange(r, s, e - s) for r, s, e in grant.landed]
-
-    def _fence(self, grant: Grant) -> None:
-        with grant.cond:
-            grant.open = False
-            if not grant.cond.wait_for(lambda: grant.inflight == 0, FENCE_WAIT_S):
-                self._count("fence_timeouts")
-                log.error("close_grant: %d NIXL read(s) still posted after %.0f s", grant.inflight, FENCE_WAIT_S)
 
     def close_all(self) -> None:
         """Engine close: every grant closed, posted reads checked once more, the agent let go."""
@@ -270,6 +278,7 @@ class Receiver:
                 self._finish(read, state)
         return bool(self._reads)
 
+
     def _finish(self, read: Read, state: str) -> None:
         grant = read.grant
         with grant.cond:
@@ -285,6 +294,9 @@ class Receiver:
                 grant.landed.extend(read.spans)
                 status = nw.OK
             grant.inflight -= 1
+            if not grant.open and not grant.inflight:
+                with self._lock:  # its last posted read ended: the closed grant's memory is D's again
+                    self._draining.pop(grant.token, None)
             grant.cond.notify_all()
         try:
             read.handle.release()
