@@ -72,3 +72,24 @@ def test_proven_budget_is_the_peers_own(engines: Make) -> None:
         held.append(raw_session(d.address, SECRET)[0])
     for s in held:
         s.close()
+
+
+def test_a_bucket_evicts_its_own_before_others(engines: Make) -> None:
+    """Which pending connection a newcomer evicts: the oldest of its own bucket once that bucket holds its
+    share, else the oldest of the fullest bucket; a quiet bucket's handshake is never the one to go."""
+    server = engines(limits=Limits(max_pending=4, max_pending_per_bucket=3))._server
+    a1, a2, a3, b1 = (object() for _ in range(4))  # stand-ins: only the bookkeeping is under test
+    with server._lock:
+        for conn, b in ((a1, "A"), (a2, "A"), (b1, "B"), (a3, "A")):
+            assert server._make_room(b) is None
+            server._add_pending(conn, b)  # type: ignore[arg-type]
+        assert server._make_room("C") is a1  # full: the fullest bucket (A) loses its oldest
+        server._add_pending(object(), "C")  # type: ignore[arg-type]
+        assert server._make_room("B") is a2  # full again: still A, never B's or C's one
+        server._add_pending(object(), "B")  # type: ignore[arg-type]
+        assert server._make_room("B") is b1  # now B is the fullest (2): B's oldest
+        server._drop_pending(a3)  # type: ignore[arg-type]
+        server._add_pending(a3, "A")  # type: ignore[arg-type]
+        for _ in range(2):
+            server._add_pending(object(), "A")  # type: ignore[arg-type]
+        assert server._make_room("A") is a3  # A holds its share (3): A's own oldest
