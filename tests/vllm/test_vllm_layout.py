@@ -14,7 +14,7 @@ from kvferry.integrations.vllm_layout import UnsupportedKVCacheError, VllmKVLayo
 L, B, H, N, C = 3, 5, 4, 4, 8  # layers, blocks, KV heads, tokens per block, K|V content (elements)
 
 
-def layer_views(layout: str, blocks: int = B) -> dict[str, Any]:
+def layer_views(layout: str, blocks: int = B, H: int = H) -> dict[str, Any]:  # noqa: N803
     """Per-layer [B, H, N, C] views of one allocation, strided as vLLM's layouts are."""
     raw = torch.zeros(L * blocks * H * N * C, dtype=torch.float16)
     if layout == "LBNHC":  # layer-outermost, tokens outside heads: each layer one dense region
@@ -285,3 +285,36 @@ def test_pulled_blocks_are_in_d_kv_cache_when_reported() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pulled_blocks_are_in_d_kv_cache_when_reported() -> None:
     pull_and_read_at_once("cuda")
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LHBNC", "BLHNC"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 1), (1, 2), (1, 4), (4, 2), (2, 4)])
+def test_tp_ranks_with_different_head_slices_move_exactly_their_heads(layout: str, p_tp: int, d_tp: int) -> None:
+    """P and D with different tensor parallel sizes (a rank may hold one head, whose head stride says
+    nothing): every D rank gets exactly its heads of the model's KV from the P ranks that hold them,
+    whatever the layout cuts each side's runs into."""
+    from kvferry.connector.layout import overlap, p_ranks_for, write_ops
+
+    full = torch.randn(L, B, H, N, C).to(torch.float16)  # the model's KV, all heads
+    p_views = [layer_views(layout, H=H // p_tp) for _ in range(p_tp)]
+    for r, views in enumerate(p_views):
+        for i, view in enumerate(views.values()):
+            view.copy_(full[i, :, r * H // p_tp:(r + 1) * H // p_tp])
+    p_kv = [VllmKVLayout(v, B, N, tp_rank=r, tp_size=p_tp) for r, v in enumerate(p_views)]
+    d_views = [layer_views(layout, blocks=B + 2, H=H // d_tp) for _ in range(d_tp)]
+    d_kv = [VllmKVLayout(v, B + 2, N, tp_rank=r, tp_size=d_tp) for r, v in enumerate(d_views)]
+    src, dst = [3, 0], [5, 1]
+    for d in range(d_tp):
+        for p in p_ranks_for(H, p_tp, d_tp, d):
+            heads = overlap(H, p_tp, p, d_tp, d)
+            assert heads is not None and p_kv[p].peer_mismatch(d_kv[d].describe()) is None
+            p_regions, d_regions = p_kv[p].regions(), d_kv[d].regions()
+            for op in write_ops(p_kv[p], src, dst, heads, B + 2, d_kv[d].describe()):
+                d_regions[op.dst_region][op.dst_offset:op.dst_offset + op.length] = (
+                    p_regions[op.src_region][op.src_offset:op.src_offset + op.length])
+            for b_src, b_dst in zip(src, dst, strict=True):
+                assert p_kv[p].checksum(b_src, heads) == d_kv[d].checksum(b_dst, heads)
+        per = H // d_tp
+        for i, view in enumerate(d_views[d].values()):
+            for b_src, b_dst in zip(src, dst, strict=True):
+                assert torch.equal(view[b_dst], full[i, b_src, d * per:(d + 1) * per])

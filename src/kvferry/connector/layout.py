@@ -174,10 +174,10 @@ class KVLayout(abc.ABC):
             return f"peer has {peer.num_blocks} blocks"
         # Bytes are copied in order, so both sides must order a block's dims alike; the runs may be cut
         # differently (a slice of the heads is one run where a side holds only those heads).
-        mine = [r.length for r in self.block_runs(0, (ours.first_head, ours.first_head + 1))]
-        theirs = [r.length for r in strided_block_runs(peer, 0, (peer.first_head, peer.first_head + 1))]
-        orders = [(_dim_order(a), _dim_order(b)) for a, b in zip(ours.segments, peer.segments, strict=True)]
-        if mine != theirs or any(a != b for a, b in orders):
+        same = ours.segments[0].dims[0][0] == peer.segments[0].dims[0][0]  # both hold as many heads
+        mine = [r.length for r in self.block_runs(0, (ours.first_head, ours.first_head + 1))] if same else []
+        theirs = [r.length for r in strided_block_runs(peer, 0, (peer.first_head, peer.first_head + 1))] if same else []
+        if mine != theirs or any(_dim_orders_differ(a, b) for a, b in zip(ours.segments, peer.segments, strict=True)):
             return "peer's KV layout orders a block's bytes differently (use the same VLLM_KV_CACHE_LAYOUT)"
         return None
 
@@ -234,10 +234,11 @@ class PagedKVLayout(KVLayout):
         return [ByteRange(KV_REGION, off, n) for off, n in spec.head_runs(block_id, *heads)]
 
 
-def _dim_order(seg: StridedSegment) -> list[int]:
-    """The dims after the block dim from outermost to innermost in memory (size-1 dims left out: their
-    stride says nothing)."""
-    return sorted((i for i, (size, _) in enumerate(seg.dims) if size > 1), key=lambda i: -seg.dims[i][1])
+def _dim_orders_differ(a: StridedSegment, b: StridedSegment) -> bool:
+    """Whether two sides order the dims after the block dim differently in memory. A dim of size 1 on
+    either side is left out: its stride says nothing (a rank holding one KV head)."""
+    dims = [i for i in range(len(a.dims)) if a.dims[i][0] > 1 and b.dims[i][0] > 1]
+    return sorted(dims, key=lambda i: -a.dims[i][1]) != sorted(dims, key=lambda i: -b.dims[i][1])
 
 
 def _aligned(src: list[ByteRange], dst: list[ByteRange]) -> list[tuple[ByteRange, ByteRange]]:
