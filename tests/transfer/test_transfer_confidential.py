@@ -1,17 +1,24 @@
 """Confidentiality of the TCP data plane (#31 item 2): with a secret, a passive tap on the path between
-P and D sees no KV byte (AES-GCM), and tampering with the ciphertext still fails the grant."""
+P and D sees no KV byte (AES-GCM), tampering with the ciphertext still fails the grant, and a sealed
+message altered or cut anywhere (hypothesis) lands nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from relay import Relay, Tamper
+from transfer_helpers import closed_by_peer, message, raw_session, wait_for
 
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause, WriteOp
 from kvferry.transfer.tcp.engine import TcpTransferEngine
+from kvferry.transfer.tcp.limits import Limits
 
 MiB = 1 << 20
 SECRET = b"tap-the-wire-all-you-like, 128 bits+"
@@ -93,3 +100,41 @@ def test_mixed_lengths_and_regions_arrive_whole(engines: Make) -> None:
         mem = src2 if op.src_region == "src2" else src
         assert np.array_equal(dst[op.dst_offset : op.dst_offset + op.length], mem[op.src_offset : op.src_offset + op.length])
     assert sum(r.length for r in b.close_grant(token)) == sum(op.length for op in ops)
+
+
+@pytest.fixture(scope="module")
+def sealed_target() -> Iterator[tuple[TcpTransferEngine, np.ndarray]]:
+    b = TcpTransferEngine(secret=SECRET, limits=Limits(frame_timeout=0.5, max_ttl=0.5, ttl_grace=0.1))
+    dst = np.zeros(MiB, np.uint8)
+    b.register("dst", dst)
+    try:
+        yield b, dst
+    finally:
+        b.close()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.integers(0, 2**20), bit=st.integers(0, 7), cut=st.booleans())
+def test_a_sealed_message_altered_anywhere_lands_nothing(
+    sealed_target: tuple[TcpTransferEngine, np.ndarray], where: int, bit: int, cut: bool
+) -> None:
+    """One bit flipped anywhere in header, meta, ciphertext or tag, or the message cut there: D's
+    memory stays as it was and nothing is reported written."""
+    b, dst = sealed_target
+    token = b.open_grant([ByteRange("dst", 0, MiB)])
+    sock, tags = raw_session(b.address, SECRET)
+    assert tags is not None
+    frame = bytearray(tags.seal_frame(message(token, [("dst", 4096, 3000), ("dst", 65536, 5000)]), _kv(8000).tobytes()))
+    where %= len(frame)
+    if cut:
+        del frame[where:]
+    else:
+        frame[where] ^= 1 << bit
+    with contextlib.suppress(OSError):  # D may close first (a bad magic is refused at once)
+        sock.sendall(frame)
+        sock.shutdown(socket.SHUT_WR)  # a receiver still waiting for bytes sees the end
+    assert closed_by_peer(sock)
+    sock.close()
+    wait_for(lambda: b.connections == 0, what="the connection to end")
+    assert not dst.any()
+    assert b.close_grant(token) == []
