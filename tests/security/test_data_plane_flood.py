@@ -21,6 +21,7 @@ from procs import Proc, pd_system
 
 ATTACK = {"127.0.0.1": 64, "127.0.0.2": 64, "127.0.0.3": 64, "127.0.0.4": 64, "127.0.0.5": 64}
 PROMPT = "A legitimate request, served while strangers hold half-open connections to D. " * 2
+pytestmark = pytest.mark.timeout(360)  # 120 requests one after another: minutes on a box at load 30+
 
 
 @pytest.fixture(scope="module")
