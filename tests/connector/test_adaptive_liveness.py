@@ -152,7 +152,7 @@ def p_and_d(ceiling: float) -> Iterator[tuple[Producer, Consumer, Metrics, str]]
         consumer.close()
         d_engine.close()
         producer.close()
-        for engine in producer.engines:
+        for engine in producer.engines.values():
             engine.close()
         server.stop()
 
