@@ -117,3 +117,34 @@ def test_proxy_resumes_a_stream_whose_d_is_killed_mid_stream() -> None:
     finally:
         for proc in extra:
             proc.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_stream_with_no_other_d_ends_with_an_error_event_and_done() -> None:
+    """Nowhere to resume (the only D was killed): the client gets one error event and [DONE], never a
+    stream that just stops; the proxy counts the migration it gave up."""
+    p = serve(None, "--role", "prefill", "--bootstrap-port", str(free_port()), *COMMON)
+    d = serve(None, "--role", "decode", *COMMON)
+    proxy_port = free_port()
+    proxy = Proc(["proxy", "--port", str(proxy_port), "--prefill", p.url, "--decode", d.url],
+                 f"http://127.0.0.1:{proxy_port}")
+    with running(p, d, proxy, timeout=60):
+        body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+        events, done = [], False
+        with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                if len(events) >= 20:
+                    break
+            _serving([d])
+            os.kill(d.pid, signal.SIGKILL)
+            for line in lines:
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        assert done and events[-1]["error"]["type"] == "decode_died", events[-1]
+        metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+        assert 'kvferry_proxy_migrations_total{outcome="gave_up"} 1.0' in metrics

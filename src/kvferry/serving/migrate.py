@@ -74,7 +74,9 @@ class Migration:
             while response is None:
                 if not self.state.resumable or attempts >= self.budget:
                     self.on_outcome("gave_up")
+                    # As an instance ends a stream that failed after its start: one error event, then [DONE].
                     yield _error_event("decode instance died mid-stream; the stream cannot be resumed")
+                    yield b"data: [DONE]\n\n"
                     return
                 attempts += 1
                 decode = self.decodes.pick(avoid=decode)
