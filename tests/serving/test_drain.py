@@ -146,3 +146,19 @@ def test_post_drain_then_a_second_sigterm_ends_the_drain_at_once() -> None:
         os.kill(p.pid, signal.SIGTERM)
         assert _exit_code(p, 10) == 0
         assert time.monotonic() - started < 5
+
+
+def test_post_drain_from_another_host_is_refused() -> None:
+    """Anyone who reaches the HTTP port may ask for completions, but only the host itself (a preStop hook)
+    may take the instance out of service: the test client's address is not loopback."""
+    from fastapi.testclient import TestClient
+
+    from kvferry.connector.fake import ScriptedConnector
+    from kvferry.engine.engine import Engine, EngineConfig
+    from kvferry.serving.api_server import build_app
+
+    engine = Engine(EngineConfig(num_blocks=16, block_size=16), ScriptedConnector())
+    with TestClient(build_app(engine)) as client:
+        r = client.post("/drain")
+        assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden"
+        assert client.get("/health").status_code == 200  # still in rotation

@@ -4,6 +4,7 @@ debug state."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import time
@@ -94,8 +95,11 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
         return JSONResponse({**info, **(health_extra or {})})
 
     @app.post("/drain", status_code=202)
-    async def start_drain() -> JSONResponse:
-        """For a Kubernetes preStop hook: the same drain as SIGTERM (what this instance holds is served)."""
+    async def start_drain(http_request: Request) -> JSONResponse:
+        """For a Kubernetes preStop hook: the same drain as SIGTERM (what this instance holds is served).
+        Only from this host: anyone else who reaches the HTTP port must not be able to take it out of service."""
+        if not _is_loopback(http_request.client.host if http_request.client else ""):
+            return JSONResponse(error_body("POST /drain is accepted from loopback only", "forbidden", 403), 403)
         drain.start("POST /drain")
         return JSONResponse(drain.status(), status_code=202)
 
@@ -251,6 +255,13 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
     return app
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _engine_dead(exc: EngineDeadError) -> JSONResponse:
     return JSONResponse(error_body(f"instance unavailable: {exc}", "engine_dead", 503), status_code=503)
 
@@ -357,7 +368,8 @@ async def _stream(call: _Call) -> Response:
                     finished = True
                     break
                 text = assembler.add(out.new_token_ids, out.finished)
-                pending_ids.extend(out.new_token_ids)  # tokens whose text is held back ride the next chunk
+                if with_ids:  # tokens whose text is held back ride the next chunk
+                    pending_ids.extend(out.new_token_ids)
                 if text or out.finished:
                     yield chunk(text, out)
                 if out.finished:
