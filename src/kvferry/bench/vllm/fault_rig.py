@@ -155,8 +155,10 @@ class Link:
         self.p, self.d_ip = p_host, d_ip
 
     def cap(self, mbit: int) -> None:
+        # A short queue (20 ms, ~0.65 MB at 160 mbit): with `latency 2s` the qdisc held a whole 40 MB read
+        # before the fault landed, so a SIGSTOP or a DROP rule (OUTPUT runs before the qdisc) paused nothing.
         self.p.exec("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb",
-                    "latency", "2s")
+                    "latency", "20ms")
 
     def uncap(self) -> None:
         with contextlib.suppress(*_UNDO_ERRORS):
