@@ -159,6 +159,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="bench serve: also vLLM's client (vllm bench serve) against kvferry, and vllm serve under both")
     p.add_argument("--faults", action="store_true",
                    help="bench vllm: the fault matrix (kvferry and NixlConnector, fail and recompute) instead of latency")
+    p.add_argument("--hogs", type=int, default=0, metavar="N",
+                   help="bench vllm: P/D at vLLM's CPU defaults, alone then with N CPU-bound processes (false peer_dead)")
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -353,15 +355,13 @@ def bench(args: argparse.Namespace) -> int:
             plan = replace(plan, output_tokens=args.output_tokens)
         serve_bench.run(args.json_path, plan=plan)
         return 0
-    if args.which == "vllm" and args.faults:
-        from kvferry.bench.vllm import faults as faults_bench
-
-        faults_bench.run(args.json_path, quick=args.quick)
-        return 0
     if args.which == "vllm":
-        from kvferry.bench.vllm import side_by_side
+        from kvferry.bench.vllm import faults, side_by_side, starved
 
-        side_by_side.run(args.json_path, quick=args.quick)
+        if args.hogs:
+            starved.run(args.json_path, args.hogs, quick=args.quick)
+        else:
+            (faults if args.faults else side_by_side).run(args.json_path, quick=args.quick)
         return 0
     module = importlib.import_module(f"kvferry.bench.{args.which}")
     module.run(args.json_path, quick=args.quick)

@@ -65,9 +65,9 @@ class ServerGroup(Supervised):
     """One server (or router) in its own process group: stopped, or killed, with every process it started."""
 
     def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
-                 host: str = LOOPBACK) -> None:
-        super().__init__(name, argv, {**os.environ, **VLLM_CPU_ENV, **(env or {})}, own_group=True,
-                         log_prefix="kvferry-bench-")
+                 host: str = LOOPBACK, unset: tuple[str, ...] = ()) -> None:
+        full = {k: v for k, v in {**os.environ, **VLLM_CPU_ENV, **(env or {})}.items() if k not in unset}
+        super().__init__(name, argv, full, own_group=True, log_prefix="kvferry-bench-")
         self.url = f"http://{host}:{port}"
         self.log = Path(self.log_path)
 

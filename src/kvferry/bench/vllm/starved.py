@@ -1,0 +1,117 @@
+"""`kvferry bench vllm --hogs N`: is a busy P ever called dead? Real `vllm serve` P/D with KVFerryConnector
+at vLLM's own CPU defaults (its worker in a separate process that spin-waits, OpenMP threads as vLLM sets
+them) and kvferry's default liveness, behind `kvferry proxy` (no retries, so every failure reaches the
+client), first alone, then with N processes spinning `while True: pass` beside it: the shared node.
+
+Nothing is killed or stopped, so every `peer_dead` in D's log is a false one. Slow outcomes under the
+starvation (`expired`, `deadline`) are the box's and are counted by the stage D names. Every answer is
+compared with a colocated `vllm serve` at the same settings (started and stopped first, alone).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from kvferry.bench.report import report
+from kvferry.bench.vllm.client import answer_text, complete, prompt
+from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, serve_venv
+from kvferry.harness.client import percentile
+from kvferry.harness.processes import free_port
+
+# vLLM's CPU defaults: drop the lane's one OpenMP thread and in-process worker (bench/vllm/servers.py).
+DEFAULTS_ENV = ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
+REQUESTS, IN_FLIGHT, WORDS, MAX_TOKENS = 24, 4, 400, 16
+ANSWER_TIMEOUT_S = 600.0
+_CAUSE = re.compile(r"KV load for \S+ failed \((\w+)\)")
+
+
+def _server(name: str, vllm: str, model: str, *args: str) -> ServerGroup:
+    port = free_port()
+    return ServerGroup(name, [vllm, "serve", model, "--port", str(port), *COMMON, *args], port, unset=DEFAULTS_ENV)
+
+
+def _kv(role: str, **extra: Any) -> str:
+    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
+                       "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
+
+
+def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str], d: ServerGroup) -> dict[str, Any]:
+    """Every prompt through the proxy, IN_FLIGHT at a time: outcomes, latency, and D's failure causes."""
+    log_before = d.log.read_text(errors="replace")
+
+    def ask(i: int) -> tuple[str, float]:
+        began = time.monotonic()
+        try:
+            r = complete(url, model, prompts[i], MAX_TOKENS, ANSWER_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return f"client {type(exc).__name__}", time.monotonic() - began
+        if r.status_code != 200:
+            return f"HTTP {r.status_code}", time.monotonic() - began
+        return ("right" if answer_text(r) == refs[i] else "WRONG TEXT"), time.monotonic() - began
+
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        results = list(pool.map(ask, range(len(prompts))))
+    causes = Counter(_CAUSE.findall(d.log.read_text(errors="replace")[len(log_before):]))
+    outcomes = Counter(outcome for outcome, _ in results)
+    seconds = [s for _, s in results]
+    return {"load": name, "requests": len(prompts), "right text": outcomes.pop("right", 0),
+            "false peer_dead": causes.pop("peer_dead", 0),
+            "other KV-load failures": ", ".join(f"{k} {v}" for k, v in sorted(causes.items())) or "0",
+            "other outcomes": ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "-",
+            "latency p50 s": percentile(seconds, 50), "latency p99 s": percentile(seconds, 99)}
+
+
+def _hogs(n: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(n)]
+
+
+def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str, Any]]:
+    vllm = serve_venv() / "bin" / "vllm"
+    if not vllm.exists():
+        raise SystemExit(f"kvferry bench vllm --hogs: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    n = 8 if quick else REQUESTS
+    prompts = [prompt(seed, WORDS) for seed in range(n)]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-hogs-") as tmp:
+        model = export_model("smollm2", tmp)
+        colocated = _server("colocated", str(vllm), model)
+        try:
+            colocated.wait_healthy()
+            refs = [answer_text(complete(colocated.url, model, text, MAX_TOKENS, ANSWER_TIMEOUT_S)) for text in prompts]
+        finally:
+            colocated.stop()
+        bootstrap = free_port()
+        p = _server("prefill", str(vllm), model, "--kv-transfer-config",
+                    _kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=bootstrap))
+        d = _server("decode", str(vllm), model, "--kv-transfer-config", _kv("kv_consumer"))
+        proxy_port = free_port()
+        proxy = ServerGroup("proxy", [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
+                                      "--port", str(proxy_port)], proxy_port)
+        spinning: list[subprocess.Popen[bytes]] = []
+        try:
+            for group in (p, d, proxy):
+                group.wait_healthy()
+            complete(proxy.url, model, "warm-up " + prompts[0], 2, ANSWER_TIMEOUT_S)
+            rows.append(_phase("alone", proxy.url, model, prompts, refs, d))
+            spinning = _hogs(hogs)
+            rows.append(_phase(f"{hogs} CPU hogs beside it", proxy.url, model, prompts, refs, d))
+        finally:
+            for hog in spinning:
+                hog.send_signal(signal.SIGKILL)
+                hog.wait()
+            for group in (proxy, d, p):
+                group.stop()
+    report(f"kvferry bench vllm --hogs {hogs}: real vllm serve P/D at vLLM's CPU defaults, kvferry's default "
+           "liveness, no retries; nothing killed, so every peer_dead is false", rows, json_path)
+    return rows
