@@ -162,3 +162,29 @@ def test_post_drain_from_another_host_is_refused() -> None:
         r = client.post("/drain")
         assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden"
         assert client.get("/health").status_code == 200  # still in rotation
+
+
+def test_a_drain_without_a_bound_answers_json() -> None:
+    """build_app's own drain (no `--drain-timeout`, or `--drain-timeout inf`) has no bound: POST /drain and
+    /health still answer JSON while it drains (an infinite float made both a 500)."""
+    from inproc import ServerThread
+
+    from kvferry.connector.fake import ScriptedConnector
+    from kvferry.engine.engine import Engine, EngineConfig
+    from kvferry.serving.api_server import build_app
+
+    engine = Engine(EngineConfig(num_blocks=16, block_size=16), ScriptedConnector())
+    engine.start()
+    server = ServerThread.of(build_app(engine)).start()
+    try:
+        r = httpx.post(f"{server.url}/drain", timeout=10)
+        assert r.status_code == 202 and r.json()["drain_timeout_s"] is None, r.text
+        health = _health_of(server.url)
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+    finally:
+        server.stop()
+        engine.stop()
+
+
+def _health_of(url: str) -> httpx.Response:
+    return httpx.get(f"{url}/health", timeout=10)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -66,7 +67,9 @@ class Drain:
 
     def status(self) -> dict[str, Any]:
         since = 0.0 if self.started_at is None else time.monotonic() - self.started_at
-        return {"status": "draining", "draining_for_s": round(since, 3), "drain_timeout_s": self.timeout_s}
+        # JSON has no infinity: an unbounded drain says null.
+        bound = self.timeout_s if math.isfinite(self.timeout_s) else None
+        return {"status": "draining", "draining_for_s": round(since, 3), "drain_timeout_s": bound}
 
     def start(self, why: str) -> None:
         """Begin draining (idempotent); must be called on the event loop's thread."""
