@@ -50,6 +50,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 class PD:
     """A producer and a consumer vLLM instance wired to each other."""
 
+    instance: Any = Instance if HAVE_VLLM else None  # the fake engine each side runs
+
     def __init__(self, model_dir: str, policy: str = "fail", faults: str = "", layout: str = "LBNHC",
                  num_blocks: int = 64, abort_timeout_s: float = 10.0,
                  roles: tuple[str, str] = ("kv_producer", "kv_consumer"), staging: str = "auto",
@@ -57,10 +59,10 @@ class PD:
         common: dict[str, Any] = {"faults": faults, "abort_timeout_s": abort_timeout_s, "kv_load_deadline_s": 15.0,
                                   "staging": staging}
         self.faults = FaultSpec.parse(faults)
-        self.p = Instance("P", model_dir, roles[0], {**common, "bootstrap_port": free_port()},
+        self.p = self.instance("P", model_dir, roles[0], {**common, "bootstrap_port": free_port()},
                           layout=layout, num_blocks=num_blocks, tp_size=p_tp)
         try:
-            self.d = Instance("D", model_dir, roles[1], {**common, "bootstrap_port": free_port()},
+            self.d = self.instance("D", model_dir, roles[1], {**common, "bootstrap_port": free_port()},
                               policy=policy, layout=layout, num_blocks=num_blocks, tp_size=d_tp)
         except BaseException:
             self.p.close()
@@ -122,8 +124,8 @@ class PD:
 def make_pd(model_dir: str) -> Iterator[Any]:
     made: list[PD] = []
 
-    def make(**kw: Any) -> PD:
-        pd = PD(model_dir, **kw)
+    def make(pd_class: type[PD] = PD, model: str = model_dir, **kw: Any) -> PD:
+        pd = pd_class(model, **kw)
         made.append(pd)
         return pd
 

@@ -34,7 +34,7 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -110,9 +110,7 @@ class Instance:
                  num_blocks: int = 64, layout: str = "LBNHC", tp_size: int = 1) -> None:
         self.name, self.tp_size = name, tp_size
         self.config = vllm_config(model_dir, kv_role, extra, policy, num_blocks, layout, tp_size)
-        # Each worker holds NUM_KV_HEADS / tp_size heads (vLLM's per-rank KV cache spec).
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
-                                 dtype=torch.float16)
+        spec = self.kv_cache_spec(tp_size)
         self.kv_cache_config = get_kv_cache_config_from_groups(
             self.config, [KVCacheGroupSpec(list(LAYER_NAMES), spec)], available_memory=1 << 40
         )
@@ -160,6 +158,11 @@ class Instance:
             update_state_after_alloc(request, blocks, num_external_tokens)
 
         self.connector.update_state_after_alloc = spy  # type: ignore[method-assign]
+
+    def kv_cache_spec(self, tp_size: int) -> AttentionSpec:
+        """Each worker holds NUM_KV_HEADS / tp_size heads (vLLM's per-rank KV cache spec)."""
+        return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
+                                 dtype=torch.float16)
 
     @property
     def bootstrap_addr(self) -> str:

@@ -82,6 +82,7 @@ class LayoutDescription(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # [first_head, first_head + dims[0]) of every layer (vLLM's workers hold only their own slice).
     first_head: int = 0
     num_kv_heads: int = 0  # the model's KV heads in all (0: those held here)
+    replicated: bool = False  # every rank holds all of it (MLA's one latent): see `overlap`
 
 
 def strided_block_runs(desc: LayoutDescription, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
@@ -128,6 +129,7 @@ class KVLayout(abc.ABC):
     num_blocks: int
     num_kv_heads: int
     block_size: int
+    replicated: bool = False  # every TP rank holds all KV heads (MLA): see `overlap`
 
     @abc.abstractmethod
     def regions(self) -> dict[str, Any]:
@@ -170,6 +172,8 @@ class KVLayout(abc.ABC):
                     or peer_heads != self.num_kv_heads):
                 return (f"peer layer shape {[n for n, _ in b.dims]} x {b.itemsize} B of {peer_heads} KV heads "
                         f"differs from ours ({self.num_kv_heads} KV heads)")
+        if peer.replicated != self.replicated:
+            return f"peer's KV is {'' if peer.replicated else 'not '}replicated on every rank (MLA), ours is{'' if self.replicated else ' not'}"
         if peer.num_blocks < 1:
             return f"peer has {peer.num_blocks} blocks"
         # Bytes are copied in order, so both sides must order a block's dims alike; the runs may be cut
@@ -269,21 +273,28 @@ def head_range(num_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def overlap(num_heads: int, p_tp: int, p_rank: int, d_tp: int, d_rank: int) -> tuple[int, int] | None:
+def overlap(num_heads: int, p_tp: int, p_rank: int, d_tp: int, d_rank: int,
+            replicated: bool = False) -> tuple[int, int] | None:
+    """The heads P rank `p_rank` sends D rank `d_rank` (None: none). `replicated` (MLA: one latent KV,
+    the same on every rank): P rank 0 alone sends, all of it, to every D rank; no other P rank is asked."""
+    if replicated:
+        if not (0 <= p_rank < p_tp and 0 <= d_rank < d_tp):
+            raise ValueError(f"rank out of range: P {p_rank} of {p_tp}, D {d_rank} of {d_tp}")
+        return (0, num_heads) if p_rank == 0 else None
     p0, p1 = head_range(num_heads, p_tp, p_rank)
     d0, d1 = head_range(num_heads, d_tp, d_rank)
     lo, hi = max(p0, d0), min(p1, d1)
     return (lo, hi) if lo < hi else None
 
 
-def p_ranks_for(num_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
-    """The P ranks whose heads overlap D rank `d_rank`'s heads."""
-    return [r for r in range(p_tp) if overlap(num_heads, p_tp, r, d_tp, d_rank) is not None]
+def p_ranks_for(num_heads: int, p_tp: int, d_tp: int, d_rank: int, replicated: bool = False) -> list[int]:
+    """The P ranks D rank `d_rank` pulls from."""
+    return [r for r in range(p_tp) if overlap(num_heads, p_tp, r, d_tp, d_rank, replicated) is not None]
 
 
-def d_ranks_for(num_heads: int, p_tp: int, p_rank: int, d_tp: int) -> list[int]:
+def d_ranks_for(num_heads: int, p_tp: int, p_rank: int, d_tp: int, replicated: bool = False) -> list[int]:
     """The D ranks that pull from P rank `p_rank`."""
-    return [d for d in range(d_tp) if overlap(num_heads, p_tp, p_rank, d_tp, d) is not None]
+    return [d for d in range(d_tp) if overlap(num_heads, p_tp, p_rank, d_tp, d, replicated) is not None]
 
 
 def write_ops(

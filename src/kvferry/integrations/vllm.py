@@ -61,7 +61,7 @@ from kvferry.integrations.vllm_metadata import (
 )
 from kvferry.integrations.vllm_metrics import KVFerryPromMetrics, KVFerryStats
 from kvferry.integrations.vllm_scheduler import KVFerryScheduler
-from kvferry.integrations.vllm_settings import KVFerrySettings, kvferry_roles
+from kvferry.integrations.vllm_settings import KVFerrySettings, is_mla, kvferry_roles
 from kvferry.integrations.vllm_worker import KVFerryWorker
 
 if TYPE_CHECKING:
@@ -95,7 +95,8 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVFerryScheduler(self.pd)
         else:
-            self.connector_worker = KVFerryWorker(self.pd, self.settings, self.block_size, tp_rank, tp_size)
+            self.connector_worker = KVFerryWorker(self.pd, self.settings, self.block_size, tp_rank, tp_size,
+                                                  is_mla(vllm_config))
 
     def _scheduler(self) -> KVFerryScheduler:
         assert self.connector_scheduler is not None, "a scheduler call on the worker's connector"

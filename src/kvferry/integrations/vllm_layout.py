@@ -115,11 +115,12 @@ class VllmKVLayout(KVLayout):
 
     def __init__(
         self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, staging: bool | None = None,
-        tp_rank: int = 0, tp_size: int = 1,
+        tp_rank: int = 0, tp_size: int = 1, replicated: bool = False,
     ) -> None:
         """`staging`: None stages when a tensor is not in host memory; True always; False never (a device
         tensor is then refused). `tp_rank` of `tp_size`: the tensors hold this rank's slice of the
-        model's KV heads; block runs are asked for by model-wide head indices."""
+        model's KV heads; block runs are asked for by model-wide head indices. `replicated`: every rank
+        holds the whole KV (MLA: vLLM's `[B, 1, N, C]` latent cache, C = kv_lora_rank + rope dim)."""
         if not kv_caches:
             raise UnsupportedKVCacheError("no KV cache tensors to register")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -145,12 +146,15 @@ class VllmKVLayout(KVLayout):
         held = heads.pop()
         if not 0 <= tp_rank < tp_size:
             raise UnsupportedKVCacheError(f"tensor parallel rank {tp_rank} out of range for size {tp_size}")
-        self.num_kv_heads = held * tp_size  # model-wide; this rank holds [tp_rank * held, ... + held)
+        self.replicated = replicated
+        # model-wide; this rank holds [tp_rank * held, ... + held), or all of them when replicated
+        self.num_kv_heads = held if replicated else held * tp_size
+        first_head = 0 if replicated else tp_rank * held
         self._block_bytes = sum(
             self._ratio * math.prod(size for size, _ in layer.dims) * layer.itemsize for layer in self._layers
         )
-        self._description = LayoutDescription(num_blocks, self._ratio, self._layers, tp_rank * held,
-                                              self.num_kv_heads)
+        self._description = LayoutDescription(num_blocks, self._ratio, self._layers, first_head,
+                                              self.num_kv_heads, replicated=replicated)
 
     def _add_layer(self, name: str, cache: Any) -> StridedSegment:
         import torch

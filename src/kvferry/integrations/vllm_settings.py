@@ -31,12 +31,10 @@ def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple
         raise ValueError("KVFerryConnector does not support pipeline parallelism yet (pipeline_parallel_size "
                          f"{parallel.pipeline_parallel_size}): each stage would hold only its own layers' KV")
     model = vllm_config.model_config
-    if getattr(model, "use_mla", False):
-        raise ValueError("KVFerryConnector does not support MLA models yet (one latent KV per token, the "
-                         "same on every tensor parallel rank)")
     tp = int(parallel.tensor_parallel_size)
     heads = int(model.get_total_num_kv_heads())
-    if heads % tp:
+    # MLA's one latent KV is the same on every rank (not split by heads): P rank 0 sends it (is_mla).
+    if heads % tp and not is_mla(vllm_config):
         raise ValueError(f"KVFerryConnector: tensor_parallel_size {tp} does not divide the model's {heads} KV "
                          "heads (vLLM then replicates heads across ranks, which kvferry does not map yet)")
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
@@ -44,6 +42,11 @@ def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple
     if kv_role not in ROLES:
         raise ValueError(f"unsupported kv_role {kv_role!r}")
     return ROLES[kv_role]
+
+
+def is_mla(vllm_config: Any) -> bool:
+    """Whether the model keeps one latent KV per token, whole on every tensor parallel rank (MLA)."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ class KVFerryWorker:
     """The worker half: vLLM's worker-side calls on the `PDConnector` of each role this instance runs."""
 
     def __init__(self, pd: dict[str, PDConnector], settings: KVFerrySettings, block_size: int,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, mla: bool = False) -> None:
         self.pd, self.settings, self.block_size = pd, settings, block_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.mla = tp_rank, tp_size, mla
         self.layout: VllmKVLayout | None = None
         self.connector_cpus: set[int] = set()
         # ids the scheduler may be told about (each once)
@@ -53,7 +53,7 @@ class KVFerryWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging],
-                                   self.tp_rank, self.tp_size)
+                                   self.tp_rank, self.tp_size, replicated=self.mla)
         # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
         # CPU worker pins itself to its OMP cores), they would starve behind the model.
         with connector_affinity() as cpus:

@@ -180,15 +180,15 @@ class Consumer:
     def _connected(self, info: EngineInfo) -> bool:
         live = {addr for (_, addr), dealer in self._dealers.items() if dealer.connected}
         heads, d_tp = self.layout.num_kv_heads, self.config.tp_size  # only the P ranks our D ranks pull from
-        needed = {p for d in self.engines for p in p_ranks_for(heads, info.tp_size, d_tp, d)}
+        needed = {p for d in self.engines for p in p_ranks_for(heads, info.tp_size, d_tp, d, self.layout.replicated)}
         return all(rank.control_addr in live for rank in info.ranks if rank.tp_rank in needed)
 
     def _send_pulls(self, pull: PullMeta, info: EngineInfo) -> None:
         heads_total = self.layout.num_kv_heads
         d_tp = self.config.tp_size
         for d_rank in self.engines:
-            for p_rank in p_ranks_for(heads_total, info.tp_size, d_tp, d_rank):
-                heads = overlap(heads_total, info.tp_size, p_rank, d_tp, d_rank)
+            for p_rank in p_ranks_for(heads_total, info.tp_size, d_tp, d_rank, self.layout.replicated):
+                heads = overlap(heads_total, info.tp_size, p_rank, d_tp, d_rank, self.layout.replicated)
                 assert heads is not None
                 pull.tasks.append(PullTask(d_rank, p_rank, heads, info.control_addr(p_rank)))
         pull.pull_tasks_count = len(pull.tasks)

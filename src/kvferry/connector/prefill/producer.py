@@ -54,6 +54,9 @@ class Producer:
         self.tp_size = len(self.engines) if tp_size is None else tp_size
         self.abort_timeout_s = abort_timeout_s
         self.metrics = metrics
+        # Replicated KV (MLA) is sent by P rank 0 alone: the other ranks hold no transfer, and hand a
+        # finished prefill's blocks back at once (vLLM frees them only once every rank did).
+        self.serves_nobody = layout.replicated and 0 not in self.engines
         self._scratch = np.frombuffer(b"\xa5" * 64, dtype=np.uint8).copy()
         for engine in self.engines.values():
             for name, buffer in layout.regions().items():
@@ -97,17 +100,22 @@ class Producer:
 
     def add_working(self, transfer_id: str, request_id: str) -> None:
         """P queued the request: pulls for it wait for the prefill, however long it takes."""
-        self.table.add_working(transfer_id, request_id)
+        if not self.serves_nobody:
+            self.table.add_working(transfer_id, request_id)
 
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int,
                   prompt_digest: str = "", first_token: FirstToken | None = None) -> None:
+        if self.serves_nobody:
+            self.table.add_unserved(request_id)
+            return
         self.table.add_ready(transfer_id, request_id, block_ids, num_tokens, time.monotonic(), prompt_digest,
                              first_token)
         self._wake_all()
 
     def add_dead(self, transfer_id: str, request_id: str) -> None:
         """The P request ended without KV: answer any pull for it with ERROR."""
-        self.table.add_dead(transfer_id, request_id, time.monotonic())
+        if not self.serves_nobody:
+            self.table.add_dead(transfer_id, request_id, time.monotonic())
         self._wake_all()
 
     def drain_finished(self) -> set[str]:
@@ -128,4 +136,4 @@ class Producer:
     def _pairs(self, d_tp: int) -> set[tuple[int, int]]:
         """(P rank, D rank) pairs that share heads: a transfer is done when each was served."""
         heads = self.layout.num_kv_heads
-        return {(p, d) for p in self.engines for d in d_ranks_for(heads, self.tp_size, p, d_tp)}
+        return {(p, d) for p in self.engines for d in d_ranks_for(heads, self.tp_size, p, d_tp, self.layout.replicated)}

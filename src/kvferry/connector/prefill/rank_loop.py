@@ -233,11 +233,12 @@ class RankLoop(threading.Thread):
 
     def _invalid(self, pull: PullRequest) -> str | None:
         spec = self.shared.layout
-        if pull.d_tp_size < 1 or spec.num_kv_heads % pull.d_tp_size:
+        if pull.d_tp_size < 1 or (spec.num_kv_heads % pull.d_tp_size and not spec.replicated):
             return f"D tp_size {pull.d_tp_size} does not divide {spec.num_kv_heads} KV heads"
         if not 0 <= pull.d_tp_rank < pull.d_tp_size:
             return f"D tp_rank {pull.d_tp_rank} out of range"
-        if overlap(spec.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank) is None:
+        if overlap(spec.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank,
+                   spec.replicated) is None:
             return f"D rank {pull.d_tp_rank} shares no KV heads with P rank {self.rank}"
         if pull.block_ids and len(pull.block_ids) != -(-pull.num_tokens // spec.block_size):
             return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens"

@@ -173,6 +173,12 @@ class TransferTable:
             # Before any pull P's own abort timeout bounds the hold; after one, D's lease does.
             t.expires = now + self.abort_timeout_s if not t.leased or t.expires == math.inf else t.expires
 
+    def add_unserved(self, request_id: str) -> None:
+        """A finished prefill this rank sends to nobody (another rank holds the one copy): done now."""
+        with self.lock:
+            self._finished.add(request_id)
+            self.waker()
+
     def add_dead(self, transfer_id: str, request_id: str, now: float) -> None:
         with self.lock:
             t = self._entry(transfer_id, request_id, 0.0)

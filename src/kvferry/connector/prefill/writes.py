@@ -63,7 +63,9 @@ class RankWriter:
         self, block_ids: list[int], pull: PullRequest, num_blocks: int | None = None
     ) -> tuple[list[WriteOp], list[int]]:
         """Ops for the first `num_blocks` blocks (default all), and the checksums of all of them."""
-        heads = overlap(self.shared.layout.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank)
+        layout = self.shared.layout
+        heads = overlap(layout.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank,
+                        layout.replicated)
         assert heads is not None
         src = block_ids[: len(pull.block_ids)]
         n = len(src) if num_blocks is None else num_blocks
