@@ -118,9 +118,13 @@ class PDScheduler:
         params = request.kv_transfer_params or {}
         if num_external_tokens == 0 or not self.is_decode or not params.get("do_remote_prefill"):
             return
-        self._pulling.add(request.request_id)
         num_prompt_blocks = -(-request.num_prompt_tokens // self.config.block_size)
-        self._to_pull.append(self._pull_spec(request, list(block_ids[:num_prompt_blocks])))
+        self.pull(request, list(block_ids[:num_prompt_blocks]))
+
+    def pull(self, request: RequestLike, block_ids: list[int]) -> None:
+        """Pull the prompt's KV into exactly `block_ids` (vLLM's hybrid KV cache: each group's blocks)."""
+        self._pulling.add(request.request_id)
+        self._to_pull.append(self._pull_spec(request, block_ids))
 
     def _pull_spec(self, request: RequestLike, block_ids: list[int]) -> PullSpec:
         params = request.kv_transfer_params or {}

@@ -4,6 +4,8 @@ ends) and what it hears back from the worker (sends ended, loads failed, and why
 
 vLLM's `Request` and `SchedulerOutput` reach kvferry's `PDConnector` through two small views
 (`RequestLike`, `SchedulerOutputLike`); kv_transfer_params that can never work read as None, logged once.
+With vLLM's hybrid allocator the block ids of every KV cache group become one list of kvferry's virtual
+block ids, the same positions on P and D (vllm_groups.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvferry.connector.params import (
 )
 from kvferry.connector.pd import PDMetadata
 from kvferry.connector.pd_connector import PDConnector
+from kvferry.integrations.vllm_groups import KVGroups
 from kvferry.integrations.vllm_metadata import (
     KVFerryConnectorMetadata,
     KVFerryHandshake,
@@ -83,8 +86,10 @@ class KVFerryScheduler:
     """The scheduler half: vLLM's scheduler-side calls on the `PDConnector` of each role this instance
     runs (`pd`: "prefill", "decode" or both)."""
 
-    def __init__(self, pd: dict[str, PDConnector]) -> None:
+    def __init__(self, pd: dict[str, PDConnector], groups: KVGroups | None = None, num_blocks: int = 0) -> None:
         self.pd = pd
+        # vLLM's KV cache groups and block pool size: block ids of a hybrid KV cache → virtual ids
+        self.groups, self.num_blocks = groups, num_blocks
         self._step = 0
         self._bad_params: OrderedDict[str, None] = OrderedDict()
         self.failure_causes: OrderedDict[str, tuple[str, str]] = OrderedDict()  # for logs and tests
@@ -168,9 +173,18 @@ class KVFerryScheduler:
         decode = self.pd.get(DECODE)
         if decode is None or num_external_tokens == 0:
             return  # the 2nd call after an async load (0 tokens) and every non-load call
-        (block_ids,) = blocks.get_block_ids()
         _remember(self._transfer_ids, request.request_id, str((request.kv_transfer_params or {}).get("transfer_id", "")))
-        decode.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
+        view = self._view(request)
+        if self.groups is None or not self.groups.hybrid:
+            (block_ids,) = blocks.get_block_ids()
+            decode.update_state_after_alloc(view, block_ids, num_external_tokens)
+        elif (view.kv_transfer_params or {}).get("do_remote_prefill"):
+            try:
+                ids = self.groups.transfer_ids(blocks.get_block_ids(), view.num_prompt_tokens, self.num_blocks, "D")
+            except ValueError as exc:  # vLLM allocated other blocks than its sliding window skips: a bug
+                raise RuntimeError(f"request {request.request_id}: vLLM's blocks do not match its KV cache "
+                                   f"groups' windows: {exc}") from exc
+            decode.scheduler.pull(view, ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFerryConnectorMetadata:
         self._step += 1
@@ -202,6 +216,19 @@ class KVFerryScheduler:
                         "transfer (a router whose P/D fields vLLM drops, e.g. sglang-router, makes every "
                         "request do this; logged once)", request.request_id, next(iter(self.pd)))
         return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator (`SupportsHMA`): the request's block ids per KV cache group."""
+        if self.groups is None or not self.groups.hybrid:
+            return self.request_finished(request, list(block_ids[0]))
+        ids: list[int] = []
+        if (self._view(request).kv_transfer_params or {}).get("do_remote_decode"):
+            try:
+                ids = self.groups.transfer_ids(block_ids, int(request.num_prompt_tokens), self.num_blocks, "P")
+            except ValueError as exc:  # no blocks to lend: the transfer is dead, D hears so at once
+                if request.get_finished_reason() is not None and str(request.get_finished_reason()) in ("stop", "length"):
+                    log.error("request %s: its KV cannot be sent: %s", request.request_id, exc)
+        return self.request_finished(request, ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         prefill = self.pd.get(PREFILL)
