@@ -110,9 +110,8 @@ class Instance:
                  num_blocks: int = 64, layout: str = "LBNHC", tp_size: int = 1) -> None:
         self.name, self.tp_size = name, tp_size
         self.config = vllm_config(model_dir, kv_role, extra, policy, num_blocks, layout, tp_size)
-        spec = self.kv_cache_spec(tp_size)
         self.kv_cache_config = get_kv_cache_config_from_groups(
-            self.config, [KVCacheGroupSpec(list(LAYER_NAMES), spec)], available_memory=1 << 40
+            self.config, self.kv_cache_groups(tp_size), available_memory=1 << 40
         )
         assert self.kv_cache_config.num_blocks == num_blocks
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
@@ -163,6 +162,10 @@ class Instance:
         """Each worker holds NUM_KV_HEADS / tp_size heads (vLLM's per-rank KV cache spec)."""
         return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
                                  dtype=torch.float16)
+
+    def kv_cache_groups(self, tp_size: int) -> list[KVCacheGroupSpec]:
+        """One group of every layer (a hybrid model's test gives several)."""
+        return [KVCacheGroupSpec(list(LAYER_NAMES), self.kv_cache_spec(tp_size))]
 
     @property
     def bootstrap_addr(self) -> str:

@@ -83,6 +83,10 @@ class LayoutDescription(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     first_head: int = 0
     num_kv_heads: int = 0  # the model's KV heads in all (0: those held here)
     replicated: bool = False  # every rank holds all of it (MLA's one latent): see `overlap`
+    # vLLM's KV cache groups (integrations/vllm_groups.py): block id g * (num_blocks // groups) + b is
+    # block b of the segments whose `segment_groups` entry is g (empty: every segment, one group).
+    groups: int = 1
+    segment_groups: list[int] = []
 
 
 def strided_block_runs(desc: LayoutDescription, block_id: int, heads: tuple[int, int]) -> list[ByteRange]:
@@ -90,8 +94,11 @@ def strided_block_runs(desc: LayoutDescription, block_id: int, heads: tuple[int,
     if not 0 <= block_id < desc.num_blocks:
         raise ValueError(f"block id {block_id} out of range [0, {desc.num_blocks})")
     h0, h1 = heads[0] - desc.first_head, heads[1] - desc.first_head  # model-wide → held here
+    group, block_id = divmod(block_id, desc.num_blocks // desc.groups)
     out: list[ByteRange] = []
-    for seg in desc.segments:
+    for i, seg in enumerate(desc.segments):
+        if desc.segment_groups and desc.segment_groups[i] != group:
+            continue  # another group's layer: its memory at this block id belongs to that group
         (held, head_stride), *rest = seg.dims
         if not 0 <= h0 < h1 <= held:
             raise ValueError(f"heads {heads} are not among the KV heads held here "
@@ -156,6 +163,11 @@ class KVLayout(abc.ABC):
         cache (a no-op when that memory is the KV cache itself)."""
         return
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """How many block ids a pull of a `num_tokens` prompt lists (one per block of tokens; vLLM's
+        hybrid KV cache lists each group's blocks that move, vllm_groups.py)."""
+        return -(-num_tokens // self.block_size)
+
     def peer_mismatch(self, peer: LayoutDescription) -> str | None:
         """Why a peer's memory cannot take our blocks position for position (None: it can)."""
         ours = self.describe()
@@ -176,6 +188,8 @@ class KVLayout(abc.ABC):
             return f"peer's KV is {'' if peer.replicated else 'not '}replicated on every rank (MLA), ours is{'' if self.replicated else ' not'}"
         if peer.num_blocks < 1:
             return f"peer has {peer.num_blocks} blocks"
+        if (peer.groups, peer.segment_groups) != (ours.groups, ours.segment_groups) or peer.num_blocks % peer.groups:
+            return f"peer has {peer.groups} KV cache group(s) {peer.segment_groups}, we have {ours.groups} {ours.segment_groups}"
         # Bytes are copied in order, so both sides must order a block's dims alike; the runs may be cut
         # differently (a slice of the heads is one run where a side holds only those heads).
         same = ours.segments[0].dims[0][0] == peer.segments[0].dims[0][0]  # both hold as many heads

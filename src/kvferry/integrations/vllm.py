@@ -22,8 +22,13 @@ What vLLM's scheduler requires, and how it is met here:
   and logged;
 - failed loads: the request is reported in finished_recving in the same step as its invalid blocks
   (`get_block_ids_with_load_errors`), so `kv_load_failure_policy` decides: `fail` → FINISHED_ERROR,
-  `recompute` → computed tokens cut at the first invalid block. Hybrid (multi-group) KV caches are not
-  declared (no `SupportsHMA`), so vLLM disables its hybrid allocator and block ids are unambiguous;
+  `recompute` → computed tokens cut at the first invalid block;
+- `SupportsHMA` (vLLM's hybrid allocator stays on): `request_finished_all_groups` gets every KV cache
+  group's block ids, and the pull carries each group's blocks (vllm_groups.py): all prompt blocks of a
+  full-attention group, of a sliding-window group only those in the window (vLLM points the rest at its
+  null block). With several groups vLLM 0.33 refuses block-level load errors, so a failed load is the
+  request in `failed_recving` (`get_transfer_results`): `fail` ends it, `recompute` computes its whole
+  prompt again. Mamba/SSM state groups and other special specs are refused at start, by name;
 - `update_state_after_alloc` called again with 0 external tokens after an async load is ignored.
 
 What kvferry requires of vLLM's scheduler, and where it comes from:
@@ -43,7 +48,12 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvferry.integrations.vllm needs vLLM (tested with 0.33): build the optional environment with "
@@ -53,6 +63,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from kvferry.connector.base import ConnectorRole
 from kvferry.connector.pd_connector import PDConnector
 from kvferry.integrations import vllm_worker
+from kvferry.integrations.vllm_groups import KVGroups
 from kvferry.integrations.vllm_layout import VllmKVLayout
 from kvferry.integrations.vllm_metadata import (
     KVFerryConnectorMetadata,
@@ -70,7 +81,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         kv_config = self._kv_transfer_config
@@ -82,6 +93,9 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
             int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra
         )
         self.block_size = int(vllm_config.cache_config.block_size)
+        # vLLM's KV cache groups (hybrid allocator): which blocks of which layers move (vllm_groups.py)
+        self.groups = None if kv_cache_config is None else KVGroups.from_config(kv_cache_config, self.block_size)
+        self.num_blocks = 0 if kv_cache_config is None else int(kv_cache_config.num_blocks)
         is_scheduler = role == KVConnectorRole.SCHEDULER
         pd_role = ConnectorRole.SCHEDULER if is_scheduler else ConnectorRole.WORKER
         tp_rank = 0 if is_scheduler else vllm_worker.worker_tp_rank(tp_size)
@@ -93,7 +107,7 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.connector_scheduler: KVFerryScheduler | None = None
         self.connector_worker: KVFerryWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVFerryScheduler(self.pd)
+            self.connector_scheduler = KVFerryScheduler(self.pd, self.groups, self.num_blocks)
         else:
             self.connector_worker = KVFerryWorker(self.pd, self.settings, self.block_size, tp_rank, tp_size,
                                                   is_mla(vllm_config))
@@ -144,6 +158,9 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished_all_groups(request, block_ids)
+
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler().update_connector_output(connector_output)
 
@@ -164,7 +181,7 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ---- worker role ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register_kv_caches(kv_caches, int(self._kv_cache_config.num_blocks))
+        self._worker().register_kv_caches(kv_caches, int(self._kv_cache_config.num_blocks), self.groups)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().start_load_kv(self._get_connector_metadata())
@@ -180,6 +197,9 @@ class KVFerryConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker().get_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()

@@ -32,7 +32,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from kvferry.connector.layout import KVLayout, LayoutDescription, StridedSegment, strided_block_runs
+from kvferry.integrations.vllm_groups import KVGroups
 from kvferry.transfer.base import ByteRange
 
 
@@ -115,7 +118,7 @@ class VllmKVLayout(KVLayout):
 
     def __init__(
         self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, staging: bool | None = None,
-        tp_rank: int = 0, tp_size: int = 1, replicated: bool = False,
+        tp_rank: int = 0, tp_size: int = 1, replicated: bool = False, groups: KVGroups | None = None,
     ) -> None:
         """`staging`: None stages when a tensor is not in host memory; True always; False never (a device
         tensor is then refused). `tp_rank` of `tp_size`: the tensors hold this rank's slice of the
@@ -155,6 +158,29 @@ class VllmKVLayout(KVLayout):
         )
         self._description = LayoutDescription(num_blocks, self._ratio, self._layers, first_head,
                                               self.num_kv_heads, replicated=replicated)
+        self._set_groups(groups)
+
+    def _set_groups(self, groups: KVGroups | None) -> None:
+        """vLLM's KV cache groups (vllm_groups.py): block id g * pool_blocks + b is block b of group g's
+        layers; with one full-attention group the ids are vLLM's."""
+        self.groups, self.pool_blocks = groups, self.num_blocks
+        self._group_pairs = [self._pairs]  # per group: its layers' (KV cache, host tensor)
+        if groups is None or not groups.hybrid:
+            return
+        of = {name: g for g, group in enumerate(groups.groups) for name in group.layer_names}
+        missing = sorted(set(self._names) - set(of))
+        if missing:
+            raise UnsupportedKVCacheError(f"KV cache tensors of layers in no KV cache group: {missing[:3]}")
+        n = len(groups.groups)
+        self.num_blocks = n * self.pool_blocks
+        self._block_bytes //= n  # a (virtual) block is one group's layers: the mean, for byte counts
+        self._group_pairs = [[pair for name, pair in zip(self._names, self._pairs, strict=True) if of[name] == g]
+                             for g in range(n)]
+        self._description = msgspec.structs.replace(self._description, num_blocks=self.num_blocks, groups=n,
+                                                    segment_groups=[of[name] for name in self._names])
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return super().blocks_for(num_tokens) if self.groups is None else self.groups.blocks_for(num_tokens)
 
     def _add_layer(self, name: str, cache: Any) -> StridedSegment:
         import torch
@@ -202,12 +228,12 @@ class VllmKVLayout(KVLayout):
         """Device → mirror; returns once the mirror holds the blocks (the data plane reads it next)."""
         if not self.staged or not block_ids:
             return
-        index = self._kernel_index(block_ids)
 
-        def copy_out(cache: Any, host: Any) -> None:
+        def copy_out(cache: Any, host: Any, index: Any) -> None:
             host.index_copy_(0, index, cache.index_select(0, index.to(cache.device)).cpu())
 
-        wait = self.copies.launch([functools.partial(copy_out, cache, host) for cache, host in self._pairs])
+        wait = self.copies.launch([functools.partial(copy_out, cache, host, index)
+                                   for pairs, index in self._by_group(block_ids) for cache, host in pairs])
         wait()
 
     def stage_in(self, block_ids: Sequence[int]) -> None:
@@ -215,20 +241,28 @@ class VllmKVLayout(KVLayout):
         in `finished_recving` next, and vLLM's forward may read them in its next step."""
         if not self.staged or not block_ids:
             return
-        index = self._kernel_index(block_ids)
 
-        def copy_in(cache: Any, host: Any) -> None:
+        def copy_in(cache: Any, host: Any, index: Any) -> None:
             cache.index_copy_(0, index.to(cache.device), host.index_select(0, index).to(cache.device))
 
-        wait = self.copies.launch([functools.partial(copy_in, cache, host) for cache, host in self._pairs])
+        wait = self.copies.launch([functools.partial(copy_in, cache, host, index)
+                                   for pairs, index in self._by_group(block_ids) for cache, host in pairs])
         wait()
+
+    def _by_group(self, block_ids: Sequence[int]) -> list[tuple[list[tuple[Any, Any]], Any]]:
+        """(the layers' (KV cache, host) tensors, kernel block index) per KV cache group of `block_ids`:
+        a block id is memory of its group's layers only."""
+        by: dict[int, list[int]] = {}
+        for v in block_ids:
+            if not 0 <= v < self.num_blocks:
+                raise ValueError(f"block id {v} out of range [0, {self.num_blocks})")
+            g, b = divmod(v, self.pool_blocks)
+            by.setdefault(g, []).append(b)
+        return [(self._group_pairs[g], self._kernel_index(ids)) for g, ids in by.items()]
 
     def _kernel_index(self, block_ids: Sequence[int]) -> Any:
         import torch
 
-        for b in block_ids:
-            if not 0 <= b < self.num_blocks:
-                raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
         r = self._ratio
         return torch.tensor([b * r + k for b in block_ids for k in range(r)], dtype=torch.long)
 

@@ -37,8 +37,6 @@ def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple
     if heads % tp and not is_mla(vllm_config):
         raise ValueError(f"KVFerryConnector: tensor_parallel_size {tp} does not divide the model's {heads} KV "
                          "heads (vLLM then replicates heads across ranks, which kvferry does not map yet)")
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-        raise ValueError("KVFerryConnector supports a single KV cache group (no hybrid allocator)")
     if kv_role not in ROLES:
         raise ValueError(f"unsupported kv_role {kv_role!r}")
     return ROLES[kv_role]

@@ -5,15 +5,22 @@ finished id once per direction, and only ids vLLM still holds (anything else wou
 Under tensor parallelism every worker is one kvferry rank: its own data plane, its own control socket
 (P) and its own pulls (D rank r pulls exactly its heads from the P ranks that hold them). vLLM's
 `KVOutputAggregator` finishes a request only when every rank reported it and unions the ranks' invalid
-blocks, so one rank's failed load fails (or recomputes) the whole request on every rank."""
+blocks, so one rank's failed load fails (or recomputes) the whole request on every rank.
+
+With several KV cache groups (vLLM's hybrid allocator) a block id means nothing without its group, and
+vLLM 0.33's scheduler refuses block-level load errors: a failed load is reported per request instead
+(`failed_recving`), and vLLM then ends it (`fail`) or computes its whole prompt again (`recompute`)."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
 from kvferry.connector.pd_connector import PDConnector
 from kvferry.integrations.vllm_affinity import connector_affinity, cpu_list
+from kvferry.integrations.vllm_groups import KVGroups
 from kvferry.integrations.vllm_layout import VllmKVLayout
 from kvferry.integrations.vllm_metadata import (
     KVFerryConnectorMetadata,
@@ -50,10 +57,12 @@ class KVFerryWorker:
         self._expect_send: set[str] = set()
         self._expect_recv: set[str] = set()
         self._causes: dict[str, tuple[str, str]] = {}
+        self._pulled: dict[str, set[int]] = {}  # per request: the blocks its pull fills (failures per request)
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                           groups: KVGroups | None = None) -> None:
         self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging],
-                                   self.tp_rank, self.tp_size, replicated=self.mla)
+                                   self.tp_rank, self.tp_size, replicated=self.mla, groups=groups)
         # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
         # CPU worker pins itself to its OMP cores), they would starve behind the model.
         with connector_affinity() as cpus:
@@ -74,6 +83,8 @@ class KVFerryWorker:
                 self._expect_send.update(s.request_id for s in pd_meta.to_send)
             else:
                 self._expect_recv.update(p.request_id for p in pd_meta.to_pull if p.block_ids)
+                if self.per_request_failures:
+                    self._pulled.update((p.request_id, set(p.block_ids)) for p in pd_meta.to_pull if p.block_ids)
             self.pd[r].start_load_kv(pd_meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -86,7 +97,27 @@ class KVFerryWorker:
             self._causes.update(pd.get_failure_causes())
         return _once(sending, self._expect_send, "sending"), _once(recving, self._expect_recv, "receiving")
 
+    @property
+    def per_request_failures(self) -> bool:
+        """Several KV cache groups: vLLM takes failed loads per request, never as block ids."""
+        groups = None if self.layout is None else self.layout.groups
+        return groups is not None and len(groups.groups) > 1
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done = self.get_finished(finished_req_ids)
+        sending, recving = set(done[0] or ()), set(done[1] or ())
+        failed: set[str] = set()
+        if self.per_request_failures:
+            invalid = self._load_errors()  # drained with the requests they belong to (one outbox drain)
+            failed = {r for r in recving if self._pulled.get(r, set()) & invalid}
+            for r in recving:
+                self._pulled.pop(r, None)
+        return KVConnectorTransferResults(sending, recving, failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self.per_request_failures else self._load_errors()
+
+    def _load_errors(self) -> set[int]:
         invalid: set[int] = set()
         for pd in self.pd.values():
             invalid |= pd.get_block_ids_with_load_errors()

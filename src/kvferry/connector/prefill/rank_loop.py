@@ -240,7 +240,7 @@ class RankLoop(threading.Thread):
         if overlap(spec.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank,
                    spec.replicated) is None:
             return f"D rank {pull.d_tp_rank} shares no KV heads with P rank {self.rank}"
-        if pull.block_ids and len(pull.block_ids) != -(-pull.num_tokens // spec.block_size):
+        if pull.block_ids and len(pull.block_ids) != spec.blocks_for(pull.num_tokens):
             return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens"
         if len(set(pull.block_ids)) != len(pull.block_ids):
             return "duplicate block ids"
