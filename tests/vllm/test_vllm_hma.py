@@ -89,7 +89,7 @@ class HybridInstance(Instance):
             for pos in range(end - n, end):
                 kv = kv_of(list(request.all_token_ids[: pos + 1]))
                 for layer, name in enumerate(LAYER_NAMES):
-                    block = groups[group_of(layer)][pos // BLOCK_SIZE]
+                    block = groups[min(group_of(layer), len(groups) - 1)][pos // BLOCK_SIZE]
                     if block != NULL:
                         caches[name][block, :, pos % BLOCK_SIZE, :] = kv[layer, rank * per:(rank + 1) * per]
 
@@ -200,6 +200,34 @@ def test_failed_load_on_two_groups_is_reported_per_request(make_hybrid: Any, pol
         tokens = pd.d.tokens(d_req.request_id)
         assert tokens[0] == token_after(PROMPT) and len(tokens) == 3
     pd.assert_empty()
+
+
+class SlidingInstance(HybridInstance):
+    """Every layer with a sliding window: one KV cache group (Mistral-style)."""
+
+    def kv_cache_groups(self, tp_size: int) -> list[KVCacheGroupSpec]:
+        sliding = super().kv_cache_groups(tp_size)[SLIDING].kv_cache_spec
+        return [KVCacheGroupSpec(list(LAYER_NAMES), sliding)]
+
+
+class SlidingPD(PD):
+    instance = SlidingInstance
+
+
+def test_one_sliding_window_group_reports_failures_per_request(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One group, but with a window: recomputing from an invalid block would need window tokens D never
+    received (null blocks), so the failure is per request and the whole prompt is recomputed."""
+    monkeypatch.setattr(type(current_platform), "support_hybrid_kv_cache", classmethod(lambda cls: True))
+    pd = SlidingPD(model_dir, policy="recompute", faults="transport=1,seed=0", abort_timeout_s=1.5)
+    try:
+        _, params = pd.prefill(PROMPT)
+        d_req = pd.d.add(PROMPT, 3, params)
+        out = decode_to_end(pd, d_req.request_id)
+        assert pd.d.received == [d_req.request_id] and not pd.d.invalid
+        assert out.finish_reason == FinishReason.LENGTH and pd.d.tokens(d_req.request_id)[0] == token_after(PROMPT)
+        pd.assert_empty()
+    finally:
+        pd.close()
 
 
 def test_recompute_on_two_groups_rebuilds_every_block(make_hybrid: Any) -> None:

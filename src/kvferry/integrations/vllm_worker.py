@@ -99,9 +99,11 @@ class KVFerryWorker:
 
     @property
     def per_request_failures(self) -> bool:
-        """Several KV cache groups: vLLM takes failed loads per request, never as block ids."""
+        """Several KV cache groups: vLLM takes failed loads per request, never as block ids. A sliding
+        window too: recomputing from an invalid block would need the window's tokens before it, which D
+        never received (null blocks), so the whole prompt is recomputed."""
         groups = None if self.layout is None else self.layout.groups
-        return groups is not None and len(groups.groups) > 1
+        return groups is not None and groups.hybrid
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done = self.get_finished(finished_req_ids)
