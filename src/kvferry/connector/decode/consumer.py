@@ -135,6 +135,8 @@ class Consumer:
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # its epoll and self-pipe, not left to the garbage collector
+            self.loop.close()
         self._ctx.destroy(linger=0)
         self.bootstrap.close()
 
