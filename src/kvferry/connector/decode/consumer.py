@@ -122,9 +122,8 @@ class Consumer:
 
     def close(self) -> None:
         async def shutdown() -> None:
-            for pull in list(self._pulls.values()):
-                if pull.coroutine is not None:
-                    pull.coroutine.cancel()
+            for coroutine in [p.coroutine for p in self._pulls.values() if p.coroutine is not None]:
+                coroutine.cancel()
             if self.config.liveness:
                 self._watchdog.cancel()
             self._sweeper.cancel()
