@@ -31,7 +31,7 @@ from kvferry.harness.processes import free_port
 
 # vLLM's CPU defaults: drop the lane's one OpenMP thread and in-process worker (bench/vllm/servers.py).
 DEFAULTS_ENV = ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
-REQUESTS, IN_FLIGHT, WORDS, MAX_TOKENS = 24, 4, 400, 16
+REQUESTS, IN_FLIGHT, WORDS, MAX_TOKENS = 16, 2, 200, 16
 ANSWER_TIMEOUT_S = 600.0
 _CAUSE = re.compile(r"KV load for \S+ failed \((\w+)\)")
 
