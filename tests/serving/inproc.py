@@ -44,6 +44,7 @@ class ServerThread:
 
 
 def config(app: Any) -> uvicorn.Config:
-    # No access log: hundreds of examples; a short keep-alive so idle connections do not outlive an example.
-    return uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=1,
+    # No access log: hundreds of examples; a short keep-alive so idle connections do not outlive an example;
+    # no lifespan (the instance app has no startup or shutdown hooks; a forced exit would cancel its task loudly).
+    return uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=1, lifespan="off",
                           timeout_graceful_shutdown=5)

@@ -43,6 +43,7 @@ class StreamState:
     resumable: bool = True  # every event so far announced its token ids
     first_id: str | None = None
     done: bool = False
+    finished: bool = False  # an event with a finish_reason was relayed: the client has the whole answer
 
 
 @dataclass
@@ -68,6 +69,9 @@ class Migration:
             finally:
                 await response.aclose()
             if self.state.done:
+                return
+            if self.state.finished:  # D died between its last event and [DONE]: nothing left to resume
+                yield b"data: [DONE]\n\n"
                 return
             self.decodes.eject(decode, "its stream broke")
             response = None
@@ -129,14 +133,21 @@ class Migration:
             self.state.first_id = self.state.first_id or event["id"]
             event["id"] = self.state.first_id
         self.state.text_sent += len(_text_of(event))
+        self.state.finished = self.state.finished or _finish_reason(event) is not None
         return f"data: {json.dumps(event)}\n\n".encode()
 
 
-def _text_of(event: dict[str, Any]) -> str:
+def _choice(event: dict[str, Any]) -> dict[str, Any]:
     choices = event.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
-    choice = choices[0]
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+
+
+def _finish_reason(event: dict[str, Any]) -> Any:
+    return _choice(event).get("finish_reason")
+
+
+def _text_of(event: dict[str, Any]) -> str:
+    choice = _choice(event)
     text = choice.get("text")
     if text is None and isinstance(choice.get("delta"), dict):
         text = choice["delta"].get("content")
