@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.bench.vllm.systems import SYSTEMS, TP2_ARGS, selected, tp_config, with_ratios, write_tp_model
+from kvferry.bench.vllm.systems import (
+    SYSTEMS,
+    TP2_ARGS,
+    d_failure,
+    selected,
+    tp_config,
+    with_ratios,
+    write_tp_model,
+)
 
 
 def test_unset_or_empty_selects_every_system_in_the_bench_order() -> None:
@@ -56,3 +64,10 @@ def test_the_ratio_is_tp2_over_tp1_of_the_same_connector_only_when_both_ran() ->
     with_ratios(rows)
     assert rows["kvferry-tp2"]["TTFT p50 / TP 1→1"] == pytest.approx(1.2)
     assert "TTFT p50 / TP 1→1" not in rows["nixl-tp2"]
+
+
+def test_a_failed_row_names_ds_first_load_failure() -> None:
+    log = ("INFO start\n(EngineCore pid=1) WARNING kvferry_kv_load_failed {\"cause\": \"expired\"}\n"
+           "kvferry_kv_load_failed {\"cause\": \"peer_dead\"}\n")
+    assert d_failure(log) == '; D: {"cause": "expired"}'
+    assert d_failure("INFO nothing failed\n") == ""

@@ -45,7 +45,7 @@ from kvferry.bench.vllm.servers import (
     nixl_env,
     serve_venv,
 )
-from kvferry.bench.vllm.systems import System, selected, with_ratios, write_tp_model
+from kvferry.bench.vllm.systems import System, d_failure, selected, with_ratios, write_tp_model
 from kvferry.harness.client import percentile
 from kvferry.harness.netns import loopback_up, unshare_prefix
 from kvferry.harness.processes import free_port
@@ -161,7 +161,7 @@ def _measure_pd(system: System, vllm: str, model_dir: str, router_exe: str, prom
         row["kill -9 P → answer s"] = waited if waited is not None else f"> {KILL_WAIT_CAP_S:.0f} (stopped waiting)"
         row["client got"] = answer
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-        row["error"] = str(exc)[:300]
+        row["error"] = str(exc)[:300] + d_failure(d.log.read_text(errors="replace"))
     finally:
         for group in (router, d, p):
             group.stop()

@@ -97,3 +97,12 @@ def with_ratios(rows: dict[str, dict[str, Any]]) -> None:
         a, b = tp1.get("TTFT p50 s"), tp2.get("TTFT p50 s")
         if isinstance(a, float) and isinstance(b, float) and a > 0:
             tp2["TTFT p50 / TP 1→1"] = b / a
+
+
+def d_failure(log: str) -> str:
+    """D's first KV load failure in its log (`kvferry_kv_load_failed` with its cause, or vLLM's own line), so
+    a row that failed says why, not only that the stream ended empty."""
+    for line in log.splitlines():
+        if "kvferry_kv_load_failed" in line or "KV load failure" in line:
+            return "; D: " + line.split("kvferry_kv_load_failed", 1)[-1].strip()[:300]
+    return ""
