@@ -67,7 +67,9 @@ def test_the_ratio_is_tp2_over_tp1_of_the_same_connector_only_when_both_ran() ->
 
 
 def test_a_failed_row_names_ds_first_load_failure() -> None:
-    log = ("INFO start\n(EngineCore pid=1) WARNING kvferry_kv_load_failed {\"cause\": \"expired\"}\n"
+    log = ("INFO start\nERROR Failing 1 request(s) due to KV load failure (failure_policy=fail)\n"
+           "(EngineCore pid=1) WARNING kvferry_kv_load_failed {\"cause\": \"expired\"}\n"
            "kvferry_kv_load_failed {\"cause\": \"peer_dead\"}\n")
     assert d_failure(log) == '; D: {"cause": "expired"}'
+    assert d_failure("ERROR Failing 1 request(s) due to KV load failure (x)\n") == "; D: (x)"
     assert d_failure("INFO nothing failed\n") == ""

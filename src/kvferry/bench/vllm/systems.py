@@ -100,9 +100,11 @@ def with_ratios(rows: dict[str, dict[str, Any]]) -> None:
 
 
 def d_failure(log: str) -> str:
-    """D's first KV load failure in its log (`kvferry_kv_load_failed` with its cause, or vLLM's own line), so
-    a row that failed says why, not only that the stream ended empty."""
-    for line in log.splitlines():
-        if "kvferry_kv_load_failed" in line or "KV load failure" in line:
-            return "; D: " + line.split("kvferry_kv_load_failed", 1)[-1].strip()[:300]
+    """D's first KV load failure in its log (kvferry's `kvferry_kv_load_failed` line with its cause, else
+    vLLM's own), so a row that failed says why, not only that the stream ended empty."""
+    lines = log.splitlines()
+    for marker in ("kvferry_kv_load_failed", "KV load failure"):
+        for line in lines:
+            if marker in line:
+                return "; D: " + line.split(marker, 1)[-1].strip()[:300]
     return ""
