@@ -12,7 +12,7 @@ Runs in the optional environment (`bash .ci/vllm-env.sh`); skips where vLLM is n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
 from typing import Any
 
 import msgspec
@@ -24,7 +24,7 @@ if not HAVE_VLLM:  # the classes below derive from the vLLM harness: skip before
 
 if HAVE_VLLM:
     import torch
-    from test_vllm_connector import PD, PROMPT, decode_to_end, model_dir
+    from test_vllm_connector import PD, PROMPT, decode_to_end, make_pd, model_dir
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
     from vllm.platforms import current_platform
     from vllm.v1.engine import FinishReason
@@ -49,7 +49,7 @@ if HAVE_VLLM:
 
     from kvferry.integrations.vllm import KVFerryConnector
 
-    __all__ = ["model_dir"]  # fixture
+    __all__ = ["make_pd", "model_dir"]  # fixtures
 
 WINDOW = 40  # tokens; PROMPT's 83 tokens skip (83 - 40 + 1) // 16 = 2 of their 6 blocks in the window group
 NULL = 0  # vLLM's null block: a sliding-window group's skipped blocks point at it
@@ -100,19 +100,10 @@ class HybridPD(PD):
 
 
 @pytest.fixture
-def make_hybrid(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def make_hybrid(make_pd: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     # The one patch: vLLM keeps the hybrid allocator off on CPU platforms whatever the connector.
     monkeypatch.setattr(type(current_platform), "support_hybrid_kv_cache", classmethod(lambda cls: True))
-    made: list[PD] = []
-
-    def make(**kw: Any) -> PD:
-        pd = HybridPD(model_dir, **kw)
-        made.append(pd)
-        return pd
-
-    yield make
-    for pd in made:
-        pd.close()
+    return functools.partial(make_pd, HybridPD)
 
 
 def expected_kv(prompt: list[int], layer: int, position: int) -> torch.Tensor:
