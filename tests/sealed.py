@@ -8,7 +8,16 @@ from typing import Any
 
 import zmq
 
-from kvferry.connector.auth import TO_DECODE, TO_PREFILL, Opener, Sealer, curve_client, curve_server_keys
+from kvferry.connector.auth import (
+    ID_BYTES,
+    TO_DECODE,
+    TO_PREFILL,
+    Opener,
+    Sealer,
+    curve_client,
+    curve_server_keys,
+    prefill_receiver,
+)
 
 
 class Sealed:
@@ -22,17 +31,23 @@ class Sealed:
         elif secret:
             sock.curve_server = True
             sock.curve_secretkey = curve_server_keys(secret)[1]
-        self.sealer = Sealer(secret, TO_PREFILL if as_decode else TO_DECODE)
-        self.opener = Opener(secret, TO_DECODE if as_decode else TO_PREFILL)
+        # As D: sealed for the P rank `connect` names (for nobody before), replies for our own session.
+        # As P: sealed for the D session last heard from, opened as the address `bind` names.
+        self.as_decode = as_decode
+        self.sealer = Sealer(secret, TO_PREFILL if as_decode else TO_DECODE, bytes(ID_BYTES))
+        self.opener = Opener(secret, TO_DECODE if as_decode else TO_PREFILL,
+                             self.sealer.session if as_decode else bytes(ID_BYTES))
+        self.peer = bytes(ID_BYTES)
 
     def send(self, data: bytes) -> None:
-        self.raw.send(self.sealer.seal(data))
+        self.raw.send(self.sealer.seal(data, None if self.as_decode else self.peer))
 
     def send_multipart(self, frames: list[bytes]) -> None:
-        self.raw.send_multipart([self.sealer.seal(f) for f in frames])
+        self.raw.send_multipart([self.sealer.seal(f, None if self.as_decode else self.peer) for f in frames])
 
     def recv(self) -> bytes:
-        return self.opener.open(self.raw.recv())
+        self.peer, payload = self.opener.unseal(self.raw.recv())
+        return payload
 
     def poll(self, timeout: int) -> int:
         return int(self.raw.poll(timeout))
@@ -41,4 +56,9 @@ class Sealed:
         self.raw.close(linger)
 
     def connect(self, addr: str) -> None:
+        self.sealer.receiver = prefill_receiver(addr)
         self.raw.connect(addr)
+
+    def bind(self, addr: str) -> None:
+        self.opener.receiver = prefill_receiver(addr)
+        self.raw.bind(addr)

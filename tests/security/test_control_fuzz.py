@@ -56,9 +56,10 @@ def test_forged_control_messages_are_dropped(rig: Rig, payload: bytes, how: str,
     elif how == "bad header":
         data = MAGIC + bytes(HEADER_BYTES - len(MAGIC)) + payload
     else:
-        data = Sealer(b"another secret, 128 bits or more" if how == "other key" else None, TO_PREFILL).seal(payload)
+        to_p = rig.sock.sealer.receiver  # sealed for the rank it reaches: only the key is wrong
+        data = Sealer(b"another secret, 128 bits or more" if how == "other key" else None, TO_PREFILL, to_p).seal(payload)
         if how == "mangled":  # our own key, one bit flipped after sealing
-            sealed = Sealer(SECRET, TO_PREFILL).seal(payload)
+            sealed = Sealer(SECRET, TO_PREFILL, to_p).seal(payload)
             data = sealed[:-1] + bytes([sealed[-1] ^ 1]) if payload else sealed[:20] + bytes([sealed[20] ^ 1]) + sealed[21:]
     before = failures(rig)
     rig.sock.raw.send(data)

@@ -2,11 +2,15 @@
 `KVFERRY_SECRET`, so a stranger who reaches P's ROUTER (or answers in P's place) can neither forge,
 alter nor replay one.
 
-Envelope: magic, direction, sender session (random per socket), sequence number, MAC, then the
-msgpack payload. The MAC (HMAC-SHA256, truncated to 16 bytes) covers everything before it and the
-payload. A receiver keeps the highest sequence number seen per sender session (a DEALER ↔ ROUTER
-connection delivers in order), so a replayed message is refused; sessions are remembered in a bounded
-LRU. Without a secret messages carry a zero MAC and are not checked: the loopback-only default.
+Envelope (`KVC2`): magic, direction, sender session (random per socket), receiver, sequence number,
+MAC, then the msgpack payload. The MAC (HMAC-SHA256, truncated to 16 bytes) covers everything before it
+and the payload. The receiver names the one socket the message is for (issue 31.4): D → P, the P rank's
+advertised control address (`prefill_receiver`: what D dialled, as P's MAC'd bootstrap answer gave it);
+P → D, the session of the D socket it answers. So a sealed message delivered anywhere else (another
+rank, another P holding the secret, another D socket) is refused. A receiver keeps the highest sequence
+number seen per sender session (a DEALER ↔ ROUTER connection delivers in order), so a replayed message is
+refused; sessions are remembered in a bounded LRU. Without a secret messages carry a zero MAC and are not
+checked: the loopback-only default.
 
 With a secret the ZMQ connection itself is CurveZMQ too (`curve_server_keys`: P's key pair comes from
 the secret), so a stranger is turned away by libzmq's handshake before any frame reaches Python, and a
@@ -30,10 +34,12 @@ from zmq.utils import z85
 
 from kvferry.transfer import secret as secret_rules
 
-MAGIC = b"KVC1"
+MAGIC = b"KVC2"  # the envelope's version: KVC1 had no receiver
 TO_PREFILL = 1  # D → P: pulls, heartbeats, releases
 TO_DECODE = 2  # P → D: replies, acks
-HEAD = struct.Struct("<4sB3x16sQ")  # magic, direction, session, seq: what the MAC covers with the payload
+# magic, direction, sender session, receiver, seq: what the MAC covers with the payload
+HEAD = struct.Struct("<4sB3x16s16sQ")
+ID_BYTES = 16  # a session, or a receiver
 MAC_BYTES = 16
 HEADER_BYTES = HEAD.size + MAC_BYTES
 MAX_SESSIONS = 65_536  # sender sessions a receiver remembers (one per D rank socket, or P rank)
@@ -41,6 +47,20 @@ MAX_SESSIONS = 65_536  # sender sessions a receiver remembers (one per D rank so
 
 class AuthError(ValueError):
     """A control message that is not sealed with our secret (or is replayed, or malformed)."""
+
+    reason = "auth"  # the label P counts it under (kvferry_control_dropped_total)
+
+
+class WrongReceiver(AuthError):
+    """Sealed with our secret, for another socket (another P rank or process, another D socket)."""
+
+    reason = "receiver"
+
+
+class OldEnvelope(AuthError):
+    """A kvferry control message in another envelope version: P and D run different releases."""
+
+    reason = "version"
 
 
 def is_loopback(host: str) -> bool:
@@ -79,31 +99,47 @@ def curve_client(sock: zmq.Socket, secret: bytes | None) -> None:  # type: ignor
         sock.curve_secretkey = secret_key
 
 
-class Sealer:
-    """Seals the messages one socket sends (one session, increasing sequence numbers)."""
+def prefill_receiver(control_addr: str) -> bytes:
+    """The receiver D seals for: the P rank's advertised control address (`tcp://host:port`), which
+    names one rank of one process; P's rank loop knows it, D dials exactly it."""
+    return hashlib.sha256(b"kvferry control receiver\0" + control_addr.encode()).digest()[:ID_BYTES]
 
-    def __init__(self, secret: bytes | None, direction: int) -> None:
+
+class Sealer:
+    """Seals the messages one socket sends (one session, increasing sequence numbers), each for one
+    receiver: `receiver` for every message (D's socket to one P rank), or per `seal` (P answering the D
+    session it heard from). With a secret a message for no named receiver is a bug: ValueError."""
+
+    def __init__(self, secret: bytes | None, direction: int, receiver: bytes | None = None) -> None:
         self._key = derive(secret, "control") if secret else None
         self._direction = direction
-        self._session = os.urandom(16)
+        self.session = os.urandom(ID_BYTES)
+        self.receiver = receiver
         self._seq = 0
         self._lock = threading.Lock()  # P's rank loop and send threads share one socket's sealer
 
-    def seal(self, payload: bytes) -> bytes:
+    def seal(self, payload: bytes, receiver: bytes | None = None) -> bytes:
+        to = receiver if receiver is not None else self.receiver
+        if to is None and self._key is not None:
+            raise ValueError("an authenticated control message must name its receiver")
         with self._lock:
             self._seq += 1
             seq = self._seq
-        head = HEAD.pack(MAGIC, self._direction, self._session, seq)
+        head = HEAD.pack(MAGIC, self._direction, self.session, to or bytes(ID_BYTES), seq)
         mac = _mac(self._key, head, payload) if self._key else bytes(MAC_BYTES)
         return head + mac + payload
 
 
 class Opener:
-    """Checks sealed messages for one receiving socket; returns the payload or raises AuthError."""
+    """Checks sealed messages for one receiving socket, whose own identity is `receiver` (required with
+    a secret); `unseal` returns the sender's session and the payload, or raises AuthError."""
 
-    def __init__(self, secret: bytes | None, direction: int) -> None:
+    def __init__(self, secret: bytes | None, direction: int, receiver: bytes | None = None) -> None:
         self._key = derive(secret, "control") if secret else None
+        if self._key is not None and receiver is None:
+            raise ValueError("an authenticated opener must know its own receiver identity")
         self._direction = direction
+        self.receiver = receiver
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # session → highest sequence number
 
     @property
@@ -111,23 +147,33 @@ class Opener:
         return self._key is not None
 
     def open(self, data: bytes) -> bytes:
+        return self.unseal(data)[1]
+
+    def unseal(self, data: bytes) -> tuple[bytes, bytes]:
+        magic = data[: len(MAGIC)]
+        if magic != MAGIC and magic[:3] == MAGIC[:3] and len(magic) == len(MAGIC):
+            raise OldEnvelope(f"control envelope {magic.decode(errors='replace')!r}, this side speaks "
+                              f"{MAGIC.decode()!r}: P and D run different kvferry versions")
         if len(data) < HEADER_BYTES:
             raise AuthError("message shorter than its envelope")
-        magic, direction, session, seq = HEAD.unpack_from(data)
+        magic, direction, session, receiver, seq = HEAD.unpack_from(data)
         if magic != MAGIC or direction != self._direction:
             raise AuthError("not a kvferry control message for this side")
         payload = data[HEADER_BYTES:]
         if self._key is None:
-            return payload
+            return session, payload
         if not hmac.compare_digest(data[HEAD.size : HEADER_BYTES], _mac(self._key, data[: HEAD.size], payload)):
             raise AuthError("bad MAC (wrong or missing KVFERRY_SECRET)")
+        # After the MAC: only a holder of the secret sealed it, for someone else.
+        if not hmac.compare_digest(receiver, self.receiver or b""):
+            raise WrongReceiver("sealed for another receiver")
         if seq <= self._seen.get(session, 0):
             raise AuthError("replayed message")
         self._seen[session] = seq
         self._seen.move_to_end(session)
         while len(self._seen) > MAX_SESSIONS:
             self._seen.popitem(last=False)
-        return payload
+        return session, payload
 
 
 def _mac(key: bytes, head: bytes, payload: bytes) -> bytes:

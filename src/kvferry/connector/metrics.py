@@ -70,8 +70,8 @@ class Metrics:
         )
         self.control_dropped = Counter(
             "kvferry_control_dropped",
-            "What P's control port refused from strangers, by reason (handshake, auth, frames, connection cap, "
-            "bad message)", ["reason"], registry=r,
+            "What P's control port refused from strangers, by reason (handshake, auth, receiver, version, frames, "
+            "connection cap, bad message)", ["reason"], registry=r,
         )
         self.unknown_connector_ids = Counter(
             "kvferry_unknown_connector_ids", "Finished ids from the connector that the scheduler did not hold",

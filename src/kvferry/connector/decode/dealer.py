@@ -24,7 +24,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer, curve_client
+from kvferry.connector.auth import (
+    TO_DECODE,
+    TO_PREFILL,
+    AuthError,
+    Opener,
+    Sealer,
+    curve_client,
+    prefill_receiver,
+)
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.messages import (
     Heartbeat,
@@ -58,8 +66,9 @@ class Dealer:
         self.on_dead = on_dead
         self.on_rtt = on_rtt
         self.on_forged = on_forged
-        self._sealer = Sealer(secret, TO_PREFILL)
-        self._opener = Opener(secret, TO_DECODE)
+        # Sealed for this P rank alone; P's replies must name this socket's own session (issue 31.4).
+        self._sealer = Sealer(secret, TO_PREFILL, prefill_receiver(addr))
+        self._opener = Opener(secret, TO_DECODE, self._sealer.session)
         # Send times of heartbeats not yet acked: P answers them in order on this one connection.
         self._pings: deque[float] = deque(maxlen=MAX_PINGS)
         self.sock = ctx.socket(zmq.DEALER)

@@ -18,14 +18,22 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from kvferry.connector.auth import TO_DECODE, TO_PREFILL, AuthError, Opener, Sealer
+from kvferry.connector.auth import (
+    MAX_SESSIONS,
+    TO_DECODE,
+    TO_PREFILL,
+    AuthError,
+    Opener,
+    Sealer,
+    prefill_receiver,
+)
 from kvferry.connector.layout import overlap
 from kvferry.connector.messages import (
     FirstToken,
@@ -82,8 +90,11 @@ class RankLoop(threading.Thread):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._outbox: deque[tuple[bytes, PullResponse | HeartbeatAck]] = deque()
+        # D seals for the address it dialled, which is the one we advertise; we answer the D session
+        # we heard from on each connection (ROUTER identity → session), so no reply fits another socket.
         self._sealer = Sealer(shared.secret, TO_DECODE)
-        self._opener = Opener(shared.secret, TO_PREFILL)
+        self._opener = Opener(shared.secret, TO_PREFILL, prefill_receiver(self.address))
+        self._sessions: OrderedDict[bytes, bytes] = OrderedDict()
         self._parked: list[Parked] = []
         self._last_turn = time.monotonic()
 
@@ -160,7 +171,9 @@ class RankLoop(threading.Thread):
             self._guard("reply", functools.partial(self._send, identity, message))
 
     def _send(self, identity: bytes, message: PullResponse | HeartbeatAck) -> None:
-        self.sock.send_multipart([identity, self._sealer.seal(encode(message))], zmq.NOBLOCK)
+        # With the secret an unknown session (evicted from the LRU) raises: logged and counted by _guard.
+        sealed = self._sealer.seal(encode(message), self._sessions.get(identity))
+        self.sock.send_multipart([identity, sealed], zmq.NOBLOCK)
 
     def _drain_socket(self) -> None:
         """Messages until none is left or the turn's budget is spent (then poll again: replies, parked
@@ -205,10 +218,14 @@ class RankLoop(threading.Thread):
     # ---- messages ---------------------------------------------------------------------------------
     def _on_message(self, identity: bytes, sealed: bytes) -> None:
         try:
-            data = self._opener.open(sealed)
+            session, data = self._opener.unseal(sealed)
         except AuthError as exc:
-            self._refuse(identity, sealed, "auth", str(exc))
+            self._refuse(identity, sealed, exc.reason, str(exc))
             return
+        self._sessions[identity] = session
+        self._sessions.move_to_end(identity)
+        if len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
         try:
             message = decode_inbound(data)
         except MessageError as exc:
