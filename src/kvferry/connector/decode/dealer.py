@@ -1,7 +1,9 @@
 """One DEALER socket from a D rank to a P rank: routes replies to waiting pulls and watches P's liveness.
 
 A dead P is noticed three ways:
-- the TCP connection closing (ZMQ monitor event; a killed process is seen at once);
+- an established connection closing (ZMQ monitor event; a killed process is seen at once). One that
+  closes inside its ZMTP handshake is not: on a starved box a live P's handshake can outlast P's or D's
+  limit, and libzmq dials again by itself (a P that never completes one is dead by the ceiling);
 - libzmq's own ZMTP heartbeat (issue 32.6): D's I/O thread pings every `--heartbeat-interval`, P's
   answers without its interpreter, so a stopped or hung *process* loses the connection after
   `--heartbeat-timeout` (then as above), while a P whose Python is starved of the GIL or the CPU keeps it;
@@ -92,11 +94,11 @@ class Dealer:
         self.last_seen = loop.time()
         self.last_used = loop.time()  # when a message last went out (idle dealers get closed)
         self.waiting_since: float | None = None
-        self.connected = False  # a live TCP connection to P (known only when the connection is watched)
+        self.connected = False  # an established connection to P (known only when the connection is watched)
         self._tasks = [loop.create_task(self._read())]
         self._monitor: zmq.asyncio.Socket | None = None
         if watch_connection:
-            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             self._tasks.append(loop.create_task(self._watch(self._monitor)))
         self.sock.connect(addr)
 
@@ -183,12 +185,16 @@ class Dealer:
     async def _watch(self, monitor: Any) -> None:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_CONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
                 self._pings.clear()  # a new P process: the old one's acks never come
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 self._dead(f"connection to P at {self.addr} closed")
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                # Closed inside its handshake (P's or our limit ran out): proves nothing about P, and
+                # the silence clock keeps running across the attempts.
+                log.info("handshake with P at %s did not complete in time; dialing again", self.addr)
 
     def close(self) -> None:
         for task in self._tasks:
