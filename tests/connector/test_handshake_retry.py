@@ -25,6 +25,7 @@ from procs import free_port
 
 SPEC = KVCacheSpec(num_blocks=8, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8)
 SECRET = bytes(range(32))
+RELAY_HOST = "127.0.0.2"
 
 
 class StallingRelay:
@@ -33,8 +34,9 @@ class StallingRelay:
 
     def __init__(self, target_port: int, stall: int) -> None:
         self.target_port, self.stall = target_port, stall
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+        # P's own port on another loopback address: P advertises this one (control MACs name the
+        # address D dials, so the relay must be where P says it is).
+        self.listener = socket.create_server((RELAY_HOST, target_port))
         self.accepted = 0
         self.socks: list[socket.socket] = [self.listener]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -89,12 +91,13 @@ def pull_through(stall: int, secret: bytes | None, deadline_s: float) -> tuple[d
     d_kv = np.zeros(SPEC.shape, dtype=np.float32)
     p_kv = np.full(SPEC.shape, 7.0, dtype=np.float32)
     d_engine, p_engine = TcpTransferEngine(secret=secret), TcpTransferEngine(secret=secret)
-    producer = Producer(PagedKVLayout(SPEC, p_kv), [p_engine], "127.0.0.1", 30.0, FaultSpec(), Metrics(), secret)
+    producer = Producer(PagedKVLayout(SPEC, p_kv), [p_engine], "127.0.0.1", 30.0, FaultSpec(), Metrics(), secret,
+                        advertise_host=RELAY_HOST)
     relay = StallingRelay(int(producer.control_addrs[0].rsplit(":", 1)[1]), stall)
     consumer = Consumer(PagedKVLayout(SPEC, d_kv), [d_engine],
                         ConsumerConfig(kv_load_deadline_s=deadline_s, secret=secret), Metrics())
     try:
-        server.register(Registration("p", 1, 0, f"tcp://127.0.0.1:{relay.port}"))
+        server.register(Registration("p", 1, 0, producer.control_addrs[0]))
         producer.add_ready("x", "p", [1, 2], 2 * SPEC.block_size)
         started = time.monotonic()
         consumer.start_pulls([PullSpec("d", "x", [3, 4], "p", f"127.0.0.1:{server.port}", 2 * SPEC.block_size)])
