@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from cluster import completion, in_background, prefill_on_p, prompt_of, tokens, wait_until
 from servers import BLOCK_SIZE, Server, kv_config, proxy_server, vllm_server
@@ -46,6 +47,8 @@ MAX_DIFFERING = 1
 # steps continuously while it holds blocks for D: on 2 cores shared with other jobs D was seen generating
 # 0.1 token/s. Nothing here is timing-sensitive, so P's hold, D's deadline and the client wait that long.
 STARVED_S = 300.0
+D_EXTRA = {"kv_load_deadline_s": STARVED_S, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 10.0,
+           "heartbeat_ceiling_s": 30.0}
 KILLED_S = 2.0  # a killed P rank's connection closes at once; D's engine step and the HTTP answer on 2 cores
 
 
@@ -60,6 +63,7 @@ class TPCluster:
         self.p = self._new_p()
         self.stopped: list[Server] = []
         self.sets: dict[int, tuple[Server, Server, Server]] = {}  # D's TP → (D, proxy, colocated at D's TP)
+        self.recompute: Server | None = None  # a D at TP 1 with `recompute` (started on first use)
 
     def _new_p(self, faults: str = "") -> Server:
         return vllm_server("prefill-tp2", self.model, self.p_port, "--num-gpu-blocks-override", "16", *TP2,
@@ -86,10 +90,8 @@ class TPCluster:
                 for s in self.sets.pop(other):
                     s.stop()
             tp_args, env = (TP2, D_TP2_ENV) if d_tp == 2 else ((), None)
-            d_extra = {"kv_load_deadline_s": STARVED_S, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 10.0,
-                       "heartbeat_ceiling_s": 30.0}
             d = vllm_server(f"decode-tp{d_tp}", self.model, free_port(), "--num-gpu-blocks-override", "40",
-                            *tp_args, "--kv-transfer-config", kv_config("kv_consumer", **d_extra), env=env)
+                            *tp_args, "--kv-transfer-config", kv_config("kv_consumer", **D_EXTRA), env=env)
             c = vllm_server(f"colocated-tp{d_tp}", self.model, free_port(), "--num-gpu-blocks-override", "16",
                             *tp_args, env=env)
             x = proxy_server(free_port(), self.p.url, d.url)
@@ -100,8 +102,17 @@ class TPCluster:
                 s.wait_healthy()
         return self.sets[d_tp]
 
+    def d_recompute(self) -> Server:
+        if self.recompute is None:
+            self.recompute = vllm_server("decode-tp1-recompute", self.model, free_port(), "--num-gpu-blocks-override",
+                                         "40", "--kv-transfer-config",
+                                         kv_config("kv_consumer", "recompute", **D_EXTRA)).start()
+            self.recompute.wait_healthy()
+        return self.recompute
+
     def stop(self) -> None:
-        for s in [self.p, *self.stopped, *(s for group in self.sets.values() for s in group)]:
+        extra = [self.recompute] if self.recompute is not None else []
+        for s in [self.p, *self.stopped, *extra, *(s for group in self.sets.values() for s in group)]:
             with contextlib.suppress(Exception):
                 s.stop()
 
@@ -158,13 +169,10 @@ def rank_pid(p: Server, rank: int) -> int:
     raise AssertionError(f"no TP worker {rank} in {p.worker_pids()}")
 
 
-def test_kill9_of_one_p_rank_mid_transfer_fails_the_request_at_once_and_leaves_d_clean(tp: TPCluster) -> None:
-    """Issue 30.4: P rank 1's worker killed while P writes (every write held 1.5 s by the `slow` fault): D's
-    client gets its error within the bound of a killed P (its connection closes), D frees the request's
-    blocks and serves the next request itself. Last in the module: P is restarted for it."""
-    d, _, ref = tp.for_d_tp(1)
+def kill_rank1_mid_transfer(tp: TPCluster, d: Server, prompt: str) -> tuple[httpx.Response, float]:
+    """P (restarted with every write held 1.5 s by the `slow` fault) prefills `prompt`; D pulls it; P rank
+    1's worker process alone is killed inside the write. Returns D's answer and its delay after the kill."""
     p = tp.restart_p("slow=1500")
-    prompt = prompt_of(350, 91)
     params = prefill_on_p(p, tp.model, prompt, f"xfer-{uuid.uuid4()}")
     future = in_background(lambda: (completion(d.url, tp.model, prompt, kv_transfer_params=params,
                                                timeout=STARVED_S), time.monotonic()))
@@ -174,11 +182,32 @@ def test_kill9_of_one_p_rank_mid_transfer_fails_the_request_at_once_and_leaves_d
     os.kill(rank_pid(p, 1), signal.SIGKILL)
     killed = time.monotonic()
     response, answered = future.result(timeout=STARVED_S)
+    return response, answered - killed
+
+
+def test_kill9_of_one_p_rank_mid_transfer_fails_the_request_at_once_and_leaves_d_clean(tp: TPCluster) -> None:
+    """Issue 30.4, `fail`: D's client gets its error within the bound of a killed P (the rank's connection
+    closes), D frees the request's blocks and serves the next request itself."""
+    d, _, ref = tp.for_d_tp(1)
+    response, delay = kill_rank1_mid_transfer(tp, d, prompt_of(350, 91))
     assert response.status_code >= 400 or response.json()["choices"][0]["finish_reason"] == "error", response.text
-    assert answered - killed <= KILLED_S, f"D's client got its error {answered - killed:.2f}s after the kill"
-    print(f"kill -9 of P rank 1 mid-transfer: D's client got its error {answered - killed:.2f}s after the kill")
+    assert delay <= KILLED_S, f"D's client got its error {delay:.2f}s after the kill"
+    print(f"kill -9 of P rank 1 mid-transfer: D's client got its error {delay:.2f}s after the kill")
     wait_until(lambda: d.metric("vllm:kv_cache_usage_perc") == 0, 30, "D to free its blocks")
     assert d.metric("kvferry:kv_load_failures_total", cause="peer_dead") >= 1
     nxt = prompt_of(100, 92)  # D alone (no P): its own prefill
     assert tokens(completion(d.url, tp.model, nxt, timeout=STARVED_S)) == \
         tokens(completion(ref.url, tp.model, nxt, timeout=STARVED_S))
+
+
+def test_kill9_of_one_p_rank_mid_transfer_recompute_gives_the_colocated_answer(tp: TPCluster) -> None:
+    """Issue 30.4, `recompute`: D computes what the dead rank never delivered itself (at TP 1, as the
+    reference does), so its answer equals the colocated server's token for token."""
+    _, _, ref = tp.for_d_tp(1)
+    d = tp.d_recompute()
+    prompt = prompt_of(350, 93)
+    response, delay = kill_rank1_mid_transfer(tp, d, prompt)
+    assert tokens(response) == tokens(completion(ref.url, tp.model, prompt, timeout=STARVED_S))
+    print(f"kill -9 of P rank 1 mid-transfer, recompute: D answered {delay:.2f}s after the kill")
+    wait_until(lambda: d.metric("vllm:kv_cache_usage_perc") == 0, 30, "D to free its blocks")
+    assert d.metric("kvferry:kv_load_failures_total", cause="peer_dead") >= 1
