@@ -43,9 +43,10 @@ PROMPT_LENGTHS = [5, 127, 128, 129, 200, 256, 300, 480]  # 1 to 4 KV blocks, blo
 # into another token only where two logits are within rounding of each other, which this model (peaked
 # logits) makes rare: at most one of the 8 answers may differ, and never its first token.
 MAX_DIFFERING = 1
-# A TP 2 server's two worker processes busy-wait (sched_yield) for 1 s after every step, and P's engine
-# steps continuously while it holds blocks for D: on 2 cores shared with other jobs D was seen generating
-# 0.1 token/s. Nothing here is timing-sensitive, so P's hold, D's deadline and the client wait that long.
+# Headroom for a 2-core box shared with other jobs (a TP 2 server's workers busy-wait after every step;
+# pinned one per core they once held D to 0.1 token/s). Nothing here but the kill tests is timing-sensitive,
+# so P's hold, D's deadline and the client wait that long; D's liveness is relaxed the same way (a killed
+# rank is still seen at once, by its closed connection).
 STARVED_S = 300.0
 D_EXTRA = {"kv_load_deadline_s": STARVED_S, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 10.0,
            "heartbeat_ceiling_s": 30.0}

@@ -26,6 +26,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -169,11 +170,16 @@ class Opener:
             raise WrongReceiver("sealed for another receiver")
         if seq <= self._seen.get(session, 0):
             raise AuthError("replayed message")
-        self._seen[session] = seq
-        self._seen.move_to_end(session)
-        while len(self._seen) > MAX_SESSIONS:
-            self._seen.popitem(last=False)
+        remember(self._seen, session, seq)
         return session, payload
+
+
+def remember(store: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
+    """`store[key] = value` in an LRU of at most MAX_SESSIONS entries (the oldest go first)."""
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > MAX_SESSIONS:
+        store.popitem(last=False)
 
 
 def _mac(key: bytes, head: bytes, payload: bytes) -> bytes:

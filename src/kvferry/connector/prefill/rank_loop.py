@@ -26,13 +26,13 @@ import msgspec
 import zmq
 
 from kvferry.connector.auth import (
-    MAX_SESSIONS,
     TO_DECODE,
     TO_PREFILL,
     AuthError,
     Opener,
     Sealer,
     prefill_receiver,
+    remember,
 )
 from kvferry.connector.layout import overlap
 from kvferry.connector.messages import (
@@ -222,10 +222,7 @@ class RankLoop(threading.Thread):
         except AuthError as exc:
             self._refuse(identity, sealed, exc.reason, str(exc))
             return
-        self._sessions[identity] = session
-        self._sessions.move_to_end(identity)
-        if len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+        remember(self._sessions, identity, session)
         try:
             message = decode_inbound(data)
         except MessageError as exc:
