@@ -310,7 +310,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         timeout = args.abort_timeout if args.drain_timeout is None else args.drain_timeout
         drain = Drain(engine.snapshot, timeout_s=timeout, grace_s=args.drain_grace)
-        app = build_app(engine, extra, names, drain)
+        app = build_app(engine, extra, names, drain, allow)
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         DrainingServer(server_config, drain).run()
     finally:

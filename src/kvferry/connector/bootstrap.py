@@ -17,7 +17,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import httpx
 import msgspec
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 REFUSED = ("KV bootstrap failed: no kvferry prefill answered at remote_bootstrap_addr (not allowed by "
            "--prefill-allow, not reachable, or not proving the secret)")
 FAIL_AFTER_S = 2.0  # a failure is reported this long after the lookup began (the client's timeout)
+
+T = TypeVar("T")
 
 
 class RankInfo(msgspec.Struct):
@@ -264,24 +267,37 @@ class PrefillAllowList:
             )
 
 
-async def lookup_uniform(
-    client: BootstrapClient, allow: PrefillAllowList, bootstrap_addr: str, engine_id: str,
-    transfer_id: str | None, fresh: bool,
-) -> EngineInfo:
-    """`client.lookup`, off the loop, for an allowed target; any failure raises BootstrapError(REFUSED),
-    `FAIL_AFTER_S` after the call began, whatever the cause (refused by the allow-list, closed, open but
-    not kvferry, filtered, no MAC). Only a server that answered validly before fails at once and with
-    its reason: a killed P is left as fast as before, and it told D nothing new about the host."""
+async def refused_alike(
+    allow: PrefillAllowList, bootstrap_addr: str, ask: Callable[[], Awaitable[T]],
+    answered_before: Callable[[str], bool],
+) -> T:
+    """`ask()` only for an allowed target (host and port), bounded by `FAIL_AFTER_S`; any failure raises
+    BootstrapError(REFUSED), `FAIL_AFTER_S` after the call began, whatever the cause (refused by the
+    allow-list, closed, open but not kvferry, filtered, no MAC). Only a server that answered validly
+    before fails at once and with its reason: a killed P is left as fast as before, and it told D
+    nothing new about the host. Every question D asks a client-named bootstrap address goes through here."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     try:
         allow.check(bootstrap_addr)
-        call = loop.run_in_executor(None, client.lookup, bootstrap_addr, engine_id, transfer_id, fresh)
-        return await asyncio.wait_for(call, FAIL_AFTER_S)
+        return await asyncio.wait_for(ask(), FAIL_AFTER_S)
     except (ValueError, BootstrapError, TimeoutError) as exc:
         reason = str(exc) if not isinstance(exc, TimeoutError) else "no answer in time"
-        if client.answered_before(bootstrap_addr):
+        if answered_before(bootstrap_addr):
             raise BootstrapError(reason) from None
         log.info("bootstrap target %.100r refused or failed: %s", bootstrap_addr, reason[:200])
         await asyncio.sleep(max(0.0, started + FAIL_AFTER_S - loop.time()))
         raise BootstrapError(REFUSED) from None
+
+
+async def lookup_uniform(
+    client: BootstrapClient, allow: PrefillAllowList, bootstrap_addr: str, engine_id: str,
+    transfer_id: str | None, fresh: bool,
+) -> EngineInfo:
+    """`client.lookup`, off the loop, under `refused_alike`'s rule."""
+    loop = asyncio.get_running_loop()
+    return await refused_alike(
+        allow, bootstrap_addr,
+        lambda: loop.run_in_executor(None, client.lookup, bootstrap_addr, engine_id, transfer_id, fresh),
+        client.answered_before,
+    )

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry.connector.base import AdmissionError
+from kvferry.connector.bootstrap import BootstrapError, PrefillAllowList
 from kvferry.connector.params import (
     KVParamsShapeError,
     KVTransferParamsError,
@@ -69,11 +70,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
-              served_model_names: Sequence[str] = (), drain: Drain | None = None) -> FastAPI:
+              served_model_names: Sequence[str] = (), drain: Drain | None = None,
+              prefill_allow: PrefillAllowList | None = None) -> FastAPI:
     """`served_model_names`: the names clients may send as `model` (as vLLM's `--served-model-name`);
     the first is the one this instance reports. Default: the model's own name. `drain`: what SIGTERM and
     `POST /drain` start (`kvferry serve` hands the one its server exits by; without it, a drain only stops
-    admitting)."""
+    admitting). `prefill_allow`: D's `--prefill-allow` (default loopback), which sglang's bootstrap
+    fields must pass before D asks that address anything."""
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
     names = list(dict.fromkeys(served_model_names)) or [engine.loaded.name]
@@ -120,7 +123,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
         extra = {"fatal_error": repr(engine.fatal_error)} if engine.fatal_error is not None else {}
         return JSONResponse({**published, **extra, "stale": True, "age_s": round(age, 3)})
 
-    resolver = EngineResolver()
+    resolver = EngineResolver(prefill_allow or PrefillAllowList())
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -196,7 +199,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
         if pd.sglang_room is not None and params is not None:
             try:
                 params["remote_engine_id"] = await resolver.engine_for(params["remote_bootstrap_addr"], pd.sglang_room)
-            except LookupError as exc:
+            except BootstrapError as exc:  # REFUSED, as the consumer answers for kv_transfer_params
                 engine.metrics.kv_load_failures.labels(cause="bootstrap").inc()
                 return JSONResponse(error_body(str(exc), "kv_load_failed", "bootstrap"), status_code=500)
         max_tokens = 1 if pd.prefill_only else body.max_tokens

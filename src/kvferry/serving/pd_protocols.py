@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import httpx
 import msgspec
 
+from kvferry.connector.bootstrap import FAIL_AFTER_S, BootstrapError, PrefillAllowList, refused_alike
 from kvferry.connector.params import RouterParamsError, failing_field, normalize_kv_transfer_params
 
 SGLANG_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -115,35 +116,43 @@ class EngineResolver:
     """sglang's D knows P's bootstrap server and the room, not P's engine id: ask the server (cached).
 
     The server lists its engines by data-parallel rank; the room picks one, as SGLang's own prefill
-    ranks do (`room % number of ranks`).
+    ranks do (`room % number of ranks`). The address comes from the client, so the question follows the
+    vLLM path's rule (`refused_alike`): only an allowed host and port is asked, and every failure is the
+    one `REFUSED` answer at one time (no SSRF, no port oracle, issue 31.5 and 31.9).
+
+    The list is not MAC'd, and need not be: whoever answers can only name an engine id, which D then
+    looks up at the same address with its nonce, and that answer must carry a valid MAC (with the
+    secret) before D pulls anything. A fake list cannot point D at another host nor at a fake P.
     """
 
-    def __init__(self, timeout_s: float = 2.0) -> None:
+    def __init__(self, allow: PrefillAllowList, timeout_s: float = FAIL_AFTER_S) -> None:
+        self._allow = allow
         self._timeout_s = timeout_s
+        # Valid answers (kept when stale: a server here once answered, so it fails fast with its reason).
         self._cache: dict[str, tuple[float, list[str]]] = {}
 
     async def engine_for(self, bootstrap_addr: str, room: int) -> str:
-        engines = await self._engines(bootstrap_addr)
+        """Raises BootstrapError (with the secret's rule: `REFUSED` unless this server answered before)."""
+        engines = await refused_alike(
+            self._allow, bootstrap_addr, lambda: self._engines(bootstrap_addr), self._cache.__contains__
+        )
         return engines[room % len(engines)]
-
-    def forget(self, bootstrap_addr: str) -> None:
-        self._cache.pop(bootstrap_addr, None)
 
     async def _engines(self, bootstrap_addr: str) -> list[str]:
         cached = self._cache.get(bootstrap_addr)
         if cached is not None and time.monotonic() - cached[0] < _ENGINE_CACHE_S:
             return cached[1]
-        try:
+        try:  # no redirects (httpx's default): D asks the allowed address and no other
             async with httpx.AsyncClient(timeout=self._timeout_s) as client:
                 response = await client.get(f"http://{bootstrap_addr}/query")
             ranks = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as exc:
-            raise LookupError(f"bootstrap server {bootstrap_addr} unreachable: {type(exc).__name__}") from exc
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} unreachable: {type(exc).__name__}") from exc
         if not isinstance(ranks, dict) or not ranks:
-            raise LookupError(f"bootstrap server {bootstrap_addr} lists no prefill engine")
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} lists no prefill engine")
         try:
             engines = [str(ranks[k]["engine_id"]) for k in sorted(ranks, key=int)]
         except (KeyError, TypeError, ValueError) as exc:
-            raise LookupError(f"bootstrap server {bootstrap_addr} sent a malformed engine list") from exc
+            raise BootstrapError(f"bootstrap server {bootstrap_addr} sent a malformed engine list") from exc
         self._cache[bootstrap_addr] = (time.monotonic(), engines)
         return engines
