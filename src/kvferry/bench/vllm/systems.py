@@ -91,6 +91,39 @@ def write_tp_model(source: str, target: str) -> str:
     return str(out)
 
 
+def write_doubled_heads(source: str, target: str) -> str:
+    """`source` (SmolLM2: 9 query heads on 3 KV heads, which TP 2 cannot split) with every KV head twice
+    and every query group twice (18 on 6), each o_proj column of a pair halved: the same function token for
+    token (float32 sums aside), with real weights, so `--faults` at P TP 2 still compares answers as text.
+    Its KV is twice SmolLM2's per token."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    out = Path(target)
+    out.mkdir(parents=True)
+    config = json.loads((Path(source) / "config.json").read_text())
+    hd, nq, nkv = int(config["head_dim"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    group = nq // nkv
+    # New KV head k is old head k // 2; its query group is the old group of k // 2, so GQA pairs stay pairs.
+    order = [h for k in range(2 * nkv) for h in range(k // 2 * group, (k // 2 + 1) * group)]
+    weights = {}
+    for name, w in load_file(str(Path(source) / "model.safetensors")).items():
+        if name.endswith("q_proj.weight"):
+            w = w.reshape(nq, hd, -1)[order].reshape(2 * nq * hd, -1)
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            w = np.repeat(w.reshape(nkv, hd, -1), 2, axis=0).reshape(2 * nkv * hd, -1)
+        elif name.endswith("o_proj.weight"):  # each head's output now arrives twice
+            w = (w.reshape(w.shape[0], nq, hd)[:, order] * 0.5).reshape(w.shape[0], -1)
+        weights[name] = np.ascontiguousarray(w)
+    save_file(weights, str(out / "model.safetensors"))
+    for f in Path(source).iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    doubled = {**config, "num_attention_heads": 2 * nq, "num_key_value_heads": 2 * nkv}
+    (out / "config.json").write_text(json.dumps(doubled, indent=2))
+    return str(out)
+
+
 def with_ratios(rows: dict[str, dict[str, Any]]) -> None:
     """On each `<connector>-tp2` row, its TTFT p50 over the same connector's `-tp1` row (same run)."""
     for connector in ("kvferry", "nixl"):
