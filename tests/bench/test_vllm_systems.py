@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvferry.bench.vllm.systems import (
@@ -15,6 +16,7 @@ from kvferry.bench.vllm.systems import (
     selected,
     tp_config,
     with_ratios,
+    write_doubled_heads,
     write_tp_model,
 )
 
@@ -56,6 +58,54 @@ def test_the_tp_model_has_heads_tp2_splits_and_keeps_head_dim(tmp_path: Path) ->
     target = Path(write_tp_model(str(source), str(tmp_path / "tp")))
     assert sorted(f.name for f in target.iterdir()) == ["config.json", "tokenizer.json"]
     assert json.loads((target / "config.json").read_text()) == config
+
+
+def _attention(w: dict[str, np.ndarray], x: np.ndarray, nq: int, nkv: int, hd: int) -> np.ndarray:
+    """One causal GQA attention layer (no rope: it acts on each head alike) as Llama computes it."""
+    t = x.shape[0]
+    q = (x @ w["q_proj.weight"].T).reshape(t, nq, hd)
+    k = (x @ w["k_proj.weight"].T).reshape(t, nkv, hd)
+    v = (x @ w["v_proj.weight"].T).reshape(t, nkv, hd)
+    heads = []
+    for h in range(nq):
+        kv = h // (nq // nkv)
+        scores = q[:, h] @ k[:, kv].T / np.sqrt(hd) + np.triu(np.full((t, t), -np.inf), 1)
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        heads.append((p / p.sum(axis=1, keepdims=True)) @ v[:, kv])
+    return np.concatenate(heads, axis=1) @ w["o_proj.weight"].T
+
+
+def test_the_doubled_heads_model_computes_the_same_attention_with_heads_tp2_splits(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    nq, nkv, hd, hidden = 9, 3, 4, 12
+    rng = np.random.default_rng(0)
+    shapes = {"q_proj.weight": (nq * hd, hidden), "k_proj.weight": (nkv * hd, hidden),
+              "v_proj.weight": (nkv * hd, hidden), "o_proj.weight": (hidden, nq * hd)}
+    weights = {f"model.layers.0.self_attn.{k}": rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    weights["model.embed_tokens.weight"] = rng.standard_normal((7, hidden)).astype(np.float32)
+    source = tmp_path / "src"
+    source.mkdir()
+    config = {"hidden_size": hidden, "num_attention_heads": nq, "num_key_value_heads": nkv, "head_dim": hd}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "tokenizer.json").write_text("{}")
+    save_file(weights, str(source / "model.safetensors"))
+    target = Path(write_doubled_heads(str(source), str(tmp_path / "x2")))
+    doubled = json.loads((target / "config.json").read_text())
+    assert (doubled["num_attention_heads"], doubled["num_key_value_heads"], doubled["head_dim"]) == (18, 6, hd)
+    assert (target / "tokenizer.json").read_text() == "{}"
+    got = load_file(str(target / "model.safetensors"))
+    np.testing.assert_array_equal(got["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
+    prefix = "model.layers.0.self_attn."
+
+    def layer(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k.removeprefix(prefix): v for k, v in w.items() if k.startswith(prefix)}
+
+    x = rng.standard_normal((5, hidden)).astype(np.float32)
+    want = _attention(layer(weights), x, nq, nkv, hd)
+    np.testing.assert_allclose(_attention(layer(got), x, 18, 6, hd), want, rtol=1e-5, atol=1e-5)
+    # TP 2 splits it: each rank's 9 query heads attend only to its own 3 KV heads.
+    assert doubled["num_attention_heads"] // 2 // (doubled["num_key_value_heads"] // 2) == nq // nkv
 
 
 def test_the_ratio_is_tp2_over_tp1_of_the_same_connector_only_when_both_ran() -> None:
