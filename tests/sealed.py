@@ -32,7 +32,7 @@ class Sealed:
             sock.curve_server = True
             sock.curve_secretkey = curve_server_keys(secret)[1]
         # As D: sealed for the P rank `connect` names (for nobody before), replies for our own session.
-        # As P: sealed for the D session last heard from, opened as the address `bind` names.
+        # As P: sealed for the D session last heard from, opened as the rank `bind` names.
         self.as_decode = as_decode
         self.sealer = Sealer(secret, TO_PREFILL if as_decode else TO_DECODE, bytes(ID_BYTES))
         self.opener = Opener(secret, TO_DECODE if as_decode else TO_PREFILL,
@@ -55,10 +55,11 @@ class Sealed:
     def close(self, linger: int = 0) -> None:
         self.raw.close(linger)
 
-    def connect(self, addr: str) -> None:
-        self.sealer.receiver = prefill_receiver(addr)
+    def connect(self, addr: str, boot: str) -> None:
+        """`boot`: the P rank's boot id (hex: its bootstrap entry, `Producer.boot_ids`)."""
+        self.sealer.receiver = prefill_receiver(addr, bytes.fromhex(boot))
         self.raw.connect(addr)
 
-    def bind(self, addr: str) -> None:
-        self.opener.receiver = prefill_receiver(addr)
+    def bind(self, addr: str, boot: str) -> None:
+        self.opener.receiver = prefill_receiver(addr, bytes.fromhex(boot))
         self.raw.bind(addr)

@@ -42,7 +42,7 @@ def main() -> None:
     engine = TcpTransferEngine(secret=secret)
     producer = Producer(PagedKVLayout(SPEC, kv), [engine], "127.0.0.1", 30.0, FaultSpec(), Metrics(), secret)
     server = BootstrapServer("127.0.0.1", int(sys.argv[2]), secret=secret)
-    server.register(Registration(ENGINE_ID, 1, 0, producer.control_addrs[0]))
+    server.register(Registration(ENGINE_ID, 1, 0, producer.control_addrs[0], producer.boot_ids[0]))
     server.start()
     print(f"ready 127.0.0.1:{server.port}", flush=True)
     for line in sys.stdin:

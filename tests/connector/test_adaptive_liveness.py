@@ -140,7 +140,7 @@ def p_and_d(ceiling: float) -> Iterator[tuple[Producer, Consumer, Metrics, str]]
     producer = Producer(PagedKVLayout(SPEC, p_kv), [TcpTransferEngine()], "127.0.0.1", 30.0,
                         FaultSpec(slow_ms=SLOW_WRITE_S * 1000), p_metrics)
     server = BootstrapServer("127.0.0.1", free_port())
-    server.register(Registration(ENGINE_ID, 1, 0, producer.control_addrs[0]))
+    server.register(Registration(ENGINE_ID, 1, 0, producer.control_addrs[0], producer.boot_ids[0]))
     server.start()
     d_engine = TcpTransferEngine()
     config = ConsumerConfig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, heartbeat_ceiling_s=ceiling,

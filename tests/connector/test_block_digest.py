@@ -30,7 +30,7 @@ def _layout() -> PagedKVLayout:
 def _judge(layout: PagedKVLayout, key: bytes | None, digests: list[int]) -> list[int]:
     """The indices of BLOCKS that D refuses, given every byte landed and P's claimed digests."""
     with TcpTransferEngine() as engine:
-        task = PullTask(0, 0, HEADS, "tcp://127.0.0.1:1", digest_key=key, checksums=digests)
+        task = PullTask(0, 0, HEADS, "tcp://127.0.0.1:1", bytes(16), digest_key=key, checksums=digests)
         task.written = [r for b in BLOCKS for r in layout.block_runs(b, HEADS)]  # all landed
         spec = PullSpec("r", "xfer-1", BLOCKS, "p", "127.0.0.1:1", len(BLOCKS) * SPEC.block_size)
         pull = PullMeta(spec, time.monotonic(), time.monotonic() + 10, [task])

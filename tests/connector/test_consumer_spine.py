@@ -128,7 +128,7 @@ def make_rig(p_tp: int = 1, d_tp: int = 1, **config: Any) -> Iterator[Rig]:
     ranks = [FakePRank(ctx, r, p_tp, p_kv) for r in range(p_tp)]
     server = BootstrapServer("127.0.0.1", free_port())
     for r in ranks:
-        server.register(Registration(ENGINE_ID, p_tp, r.rank, r.addr))
+        server.register(Registration(ENGINE_ID, p_tp, r.rank, r.addr, "00" * 16))  # no secret: no receiver checked
     server.start()
     metrics = Metrics()
     engines = [TcpTransferEngine() for _ in range(d_tp)]

@@ -41,8 +41,8 @@ def test_d_gets_ps_first_token_with_the_kv_and_both_sides_wake_their_engine(
     producer = Producer(PagedKVLayout(SPEC, p_kv), p_engines, "127.0.0.1", 10.0, FaultSpec(), Metrics())
     producer.table.waker = p_woken.set
     try:
-        for rank, addr in enumerate(producer.control_addrs):
-            server.register(Registration("p", p_tp, rank, addr))
+        for rank, (addr, boot) in enumerate(zip(producer.control_addrs, producer.boot_ids, strict=True)):
+            server.register(Registration("p", p_tp, rank, addr, boot))
         producer.add_ready("x", "p", [1, 2], 2 * SPEC.block_size, "", first_token)
         consumer.start_pulls([PullSpec("d", "x", [3, 4], "p", f"127.0.0.1:{server.port}", 2 * SPEC.block_size)])
         assert d_woken.wait(10), "D's worker never woke its engine"

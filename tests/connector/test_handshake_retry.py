@@ -97,7 +97,7 @@ def pull_through(stall: int, secret: bytes | None, deadline_s: float) -> tuple[d
     consumer = Consumer(PagedKVLayout(SPEC, d_kv), [d_engine],
                         ConsumerConfig(kv_load_deadline_s=deadline_s, secret=secret), Metrics())
     try:
-        server.register(Registration("p", 1, 0, producer.control_addrs[0]))
+        server.register(Registration("p", 1, 0, producer.control_addrs[0], producer.boot_ids[0]))
         producer.add_ready("x", "p", [1, 2], 2 * SPEC.block_size)
         started = time.monotonic()
         consumer.start_pulls([PullSpec("d", "x", [3, 4], "p", f"127.0.0.1:{server.port}", 2 * SPEC.block_size)])

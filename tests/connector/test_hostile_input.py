@@ -52,7 +52,7 @@ class Rig:
         raw = self.ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         self.sock = Sealed(raw, secret)
-        self.sock.connect(self.producer.control_addrs[0])
+        self.sock.connect(self.producer.control_addrs[0], self.producer.boot_ids[0])
 
     def ask(self, data: bytes | list[bytes], timeout: float = 5.0) -> Any:
         if isinstance(data, list):
@@ -235,13 +235,15 @@ def test_bootstrap_has_no_registration_route_and_rejects_bad_queries() -> None:
     server.start()
     try:
         base = f"http://127.0.0.1:{server.port}"
-        ok = {"engine_id": "e", "tp_size": 1, "tp_rank": 0, "control_addr": "tcp://127.0.0.1:1"}
+        ok = {"engine_id": "e", "tp_size": 1, "tp_rank": 0, "control_addr": "tcp://127.0.0.1:1", "boot": "00" * 16}
         # Ranks register in-process: a stranger cannot point D at its own control address.
         assert httpx.post(f"{base}/register", json=ok).status_code in (404, 405)
         assert httpx.get(f"{base}/query").json() == {}  # no engine has registered yet
         assert httpx.get(f"{base}/query", params={"engine_id": "nobody"}).status_code == 404
         with pytest.raises(ValueError):
-            server.register(Registration("e", 1, 4, "tcp://x:1"))
+            server.register(Registration("e", 1, 4, "tcp://x:1", "00" * 16))
+        with pytest.raises(ValueError, match="boot"):  # a boot id is 16 bytes of lowercase hex
+            server.register(Registration("e", 1, 0, "tcp://x:1", "00" * 15))
         server.register(Registration(**ok))  # type: ignore[arg-type]
         assert httpx.get(f"{base}/query", params={"engine_id": "e"}).json()["tp_size"] == 1
         # Without engine_id (vllm-router's Mooncake mode, sglang's D): engines by data-parallel rank.

@@ -66,7 +66,7 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     routers = {"p1": Router(ctx), "p2": Router(ctx)}
     server = BootstrapServer("127.0.0.1", free_port())
     for name, r in routers.items():
-        server.register(Registration(name, 1, 0, r.addr))
+        server.register(Registration(name, 1, 0, r.addr, "00" * 16))  # no secret: no receiver checked
     server.start()
     d_kv = np.zeros(SPEC.shape, np.float32)
     d_engine, p2_engine = NixlTransferEngine(), NixlTransferEngine()

@@ -45,7 +45,7 @@ def test_p_restarted_at_the_same_address_serves_the_next_request_and_d_sockets_s
             p_engine = TcpTransferEngine()
             producer = Producer(PagedKVLayout(SPEC, p_kv), [p_engine], "127.0.0.1", 10.0, FaultSpec(), Metrics())
             try:
-                server.register(Registration("p", 1, 0, producer.control_addrs[0]))
+                server.register(Registration("p", 1, 0, producer.control_addrs[0], producer.boot_ids[0]))
                 producer.add_ready(f"x{i}", f"p{i}", [1, 2], 2 * SPEC.block_size)
                 consumer.start_pulls([PullSpec(f"d{i}", f"x{i}", [3, 4], "p", f"127.0.0.1:{server.port}",
                                                2 * SPEC.block_size)])

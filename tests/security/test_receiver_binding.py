@@ -22,6 +22,7 @@ from kvferry.connector.auth import (
     Opener,
     Sealer,
     WrongReceiver,
+    boot_id,
     curve_client,
     prefill_receiver,
 )
@@ -53,21 +54,31 @@ def completion(proc: Proc, max_tokens: int, params: dict[str, Any] | None) -> di
 
 
 RANK0, RANK1, OTHER_P = "tcp://10.0.0.1:5600", "tcp://10.0.0.1:5601", "tcp://10.0.0.2:5600"
+BOOT = bytes(range(16))  # a P rank's boot id (`auth.boot_id`)
 
 
 def test_a_pull_sealed_for_one_p_rank_opens_there_alone() -> None:
-    sealed = Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0)).seal(b"pull")
-    assert Opener(SECRET, TO_PREFILL, prefill_receiver(RANK0)).open(sealed) == b"pull"
+    sealed = Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0, BOOT)).seal(b"pull")
+    assert Opener(SECRET, TO_PREFILL, prefill_receiver(RANK0, BOOT)).open(sealed) == b"pull"
     for elsewhere in (RANK1, OTHER_P):  # another rank, another P process holding the same secret
         with pytest.raises(WrongReceiver, match="sealed for another receiver") as refused:
-            Opener(SECRET, TO_PREFILL, prefill_receiver(elsewhere)).open(sealed)
+            Opener(SECRET, TO_PREFILL, prefill_receiver(elsewhere, BOOT)).open(sealed)
         assert refused.value.reason == "receiver"
 
 
+def test_a_pull_sealed_for_one_p_process_is_refused_by_its_restart_at_the_same_address() -> None:
+    """A fixed control port: the new process has the old one's address and no sequence numbers yet."""
+    sealed = Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0, BOOT)).seal(b"pull")
+    with pytest.raises(WrongReceiver, match="sealed for another receiver"):
+        Opener(SECRET, TO_PREFILL, prefill_receiver(RANK0, boot_id())).open(sealed)
+    with pytest.raises(ValueError, match="boot id is 16 bytes"):
+        prefill_receiver(RANK0, b"")
+
+
 def test_a_reply_sealed_for_one_d_socket_is_refused_by_another() -> None:
-    a, b = Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0)), Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0))
+    a, b = Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0, BOOT)), Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0, BOOT))
     p = Sealer(SECRET, TO_DECODE)
-    ask = Opener(SECRET, TO_PREFILL, prefill_receiver(RANK0))
+    ask = Opener(SECRET, TO_PREFILL, prefill_receiver(RANK0, BOOT))
     session, _ = ask.unseal(a.seal(b"heartbeat"))
     assert session == a.session != b.session
     reply = p.seal(b"ack", session)  # P answers the session it heard from
@@ -77,11 +88,11 @@ def test_a_reply_sealed_for_one_d_socket_is_refused_by_another() -> None:
 
 
 def test_the_receiver_is_under_the_mac() -> None:
-    sealed = bytearray(Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0)).seal(b"pull"))
+    sealed = bytearray(Sealer(SECRET, TO_PREFILL, prefill_receiver(RANK0, BOOT)).seal(b"pull"))
     at = HEAD.size - 8 - 16  # the receiver field, before the sequence number
-    sealed[at : at + 16] = prefill_receiver(RANK1)  # readdressed on the wire: the MAC no longer fits
+    sealed[at : at + 16] = prefill_receiver(RANK1, BOOT)  # readdressed on the wire: the MAC no longer fits
     with pytest.raises(AuthError, match="bad MAC"):
-        Opener(SECRET, TO_PREFILL, prefill_receiver(RANK1)).open(bytes(sealed))
+        Opener(SECRET, TO_PREFILL, prefill_receiver(RANK1, BOOT)).open(bytes(sealed))
 
 
 def test_an_authenticated_message_must_name_its_receiver() -> None:
@@ -93,15 +104,15 @@ def test_an_authenticated_message_must_name_its_receiver() -> None:
 
 @pytest.mark.parametrize("secret", [SECRET, None])
 def test_an_older_envelope_gets_a_clear_refusal(secret: bytes | None) -> None:
-    sealed = Sealer(secret, TO_PREFILL, prefill_receiver(RANK0)).seal(b"pull")
-    with pytest.raises(OldEnvelope, match="'KVC1', this side speaks 'KVC2': P and D run different kvferry"):
-        Opener(secret, TO_PREFILL, prefill_receiver(RANK0)).open(b"KVC1" + sealed[4:48])
+    sealed = Sealer(secret, TO_PREFILL, prefill_receiver(RANK0, BOOT)).seal(b"pull")
+    with pytest.raises(OldEnvelope, match="'KVC2', this side speaks 'KVC3': P and D run different kvferry"):
+        Opener(secret, TO_PREFILL, prefill_receiver(RANK0, BOOT)).open(b"KVC2" + sealed[4:48])
 
 
 def test_without_a_secret_no_receiver_is_checked() -> None:
     """The loopback default: no MAC, so nothing to bind; a receiver is neither needed nor checked."""
     sealed = Sealer(None, TO_PREFILL).seal(b"pull")
-    assert Opener(None, TO_PREFILL, prefill_receiver(RANK1)).open(sealed) == b"pull"
+    assert Opener(None, TO_PREFILL, prefill_receiver(RANK1, BOOT)).open(sealed) == b"pull"
     assert Opener(None, TO_PREFILL).open(sealed) == b"pull"
 
 
@@ -114,12 +125,12 @@ def system() -> Iterator[tuple[Proc, Proc, Proc]]:
 class Insider:
     """A DEALER that completes CurveZMQ's handshake (it holds the secret) and sends bytes as given."""
 
-    def __init__(self, ctx: zmq.Context[Any], addr: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], addr: str, boot: str) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         curve_client(self.sock, SECRET)
         self.sock.connect(addr)
-        self.sealer = Sealer(SECRET, TO_PREFILL, prefill_receiver(addr))
+        self.sealer = Sealer(SECRET, TO_PREFILL, prefill_receiver(addr, bytes.fromhex(boot)))
         self.opener = Opener(SECRET, TO_DECODE, self.sealer.session)
 
     def replies_until_ack(self, timeout_s: float = 10.0) -> list[object]:
@@ -134,7 +145,8 @@ class Insider:
 def test_a_message_sealed_for_p_rank_0_is_refused_at_rank_1(system: tuple[Proc, Proc, Proc]) -> None:
     p, d, _ = system
     params = completion(p, 1, {"do_remote_decode": True, "transfer_id": "victim-r0"})["kv_transfer_params"]
-    rank0, rank1 = httpx.get(f"{p.url}/debug/state", timeout=5).json()["connector"]["control_addrs"]
+    connector = httpx.get(f"{p.url}/debug/state", timeout=5).json()["connector"]
+    (rank0, rank1), (boot0, boot1) = connector["control_addrs"], connector["control_boots"]
     insider_kv = np.zeros(1 << 20, dtype=np.uint8)
     insider = TcpTransferEngine(secret=SECRET)  # holds the secret: P would write to it if it obeyed
     insider.register("kv", insider_kv)
@@ -142,12 +154,12 @@ def test_a_message_sealed_for_p_rank_0_is_refused_at_rank_1(system: tuple[Proc, 
     ctx: zmq.Context[Any] = zmq.Context()
     try:
         # Exactly what D's socket to rank 0 seals: a pull for the victim's blocks and a heartbeat.
-        d_socket = Sealer(SECRET, TO_PREFILL, prefill_receiver(rank0))
+        d_socket = Sealer(SECRET, TO_PREFILL, prefill_receiver(rank0, bytes.fromhex(boot0)))
         pull = d_socket.seal(encode(PullRequest("victim-r0", "thief", insider.address, grant, [0, 1, 2, 3], 1024,
                                                 1, 0, len(PROMPT_IDS))))
         ping = d_socket.seal(encode(Heartbeat(["victim-r0"])))
         before = dropped(p.url, "receiver")
-        at_rank1 = Insider(ctx, rank1)
+        at_rank1 = Insider(ctx, rank1, boot1)
         for data in (pull, ping, at_rank1.sealer.seal(encode(Heartbeat([])))):
             at_rank1.sock.send(data)
         assert [type(m) for m in at_rank1.replies_until_ack()] == [HeartbeatAck], "rank 1 obeyed rank 0's message"
@@ -155,7 +167,7 @@ def test_a_message_sealed_for_p_rank_0_is_refused_at_rank_1(system: tuple[Proc, 
         assert insider.written(grant) == [], "P wrote KV for a message sealed for another rank"
         # The captured bytes are D's own: rank 0, their receiver, accepts them, and seals its ack for the
         # session that sent them (D's socket), which this connection's own session cannot open.
-        at_rank0 = Insider(ctx, rank0)
+        at_rank0 = Insider(ctx, rank0, boot0)
         at_rank0.sock.send(ping)
         assert at_rank0.sock.poll(10_000), "rank 0 did not answer D's heartbeat"
         ack = at_rank0.sock.recv()

@@ -2,12 +2,13 @@
 `KVFERRY_SECRET`, so a stranger who reaches P's ROUTER (or answers in P's place) can neither forge,
 alter nor replay one.
 
-Envelope (`KVC2`): magic, direction, sender session (random per socket), receiver, sequence number,
+Envelope (`KVC3`): magic, direction, sender session (random per socket), receiver, sequence number,
 MAC, then the msgpack payload. The MAC (HMAC-SHA256, truncated to 16 bytes) covers everything before it
 and the payload. The receiver names the one socket the message is for (issue 31.4): D → P, the P rank's
-advertised control address (`prefill_receiver`: what D dialled, as P's MAC'd bootstrap answer gave it);
-P → D, the session of the D socket it answers. So a sealed message delivered anywhere else (another
-rank, another P holding the secret, another D socket) is refused. A receiver keeps the highest sequence
+advertised control address and the boot id that rank drew at start (`prefill_receiver`: what D dialled,
+as P's MAC'd bootstrap answer gave both); P → D, the session of the D socket it answers. So a sealed
+message delivered anywhere else (another rank, another P holding the secret, a P restarted at the same
+address, another D socket) is refused. A receiver keeps the highest sequence
 number seen per sender session (a DEALER ↔ ROUTER connection delivers in order), so a replayed message is
 refused; sessions are remembered in a bounded LRU. Without a secret messages carry a zero MAC and are not
 checked: the loopback-only default.
@@ -35,7 +36,7 @@ from zmq.utils import z85
 
 from kvferry.transfer import secret as secret_rules
 
-MAGIC = b"KVC2"  # the envelope's version: KVC1 had no receiver
+MAGIC = b"KVC3"  # the envelope's version: KVC1 had no receiver, KVC2 no boot id in it
 TO_PREFILL = 1  # D → P: pulls, heartbeats, releases
 TO_DECODE = 2  # P → D: replies, acks
 # magic, direction, sender session, receiver, seq: what the MAC covers with the payload
@@ -53,7 +54,8 @@ class AuthError(ValueError):
 
 
 class WrongReceiver(AuthError):
-    """Sealed with our secret, for another socket (another P rank or process, another D socket)."""
+    """Sealed with our secret, for another socket (another P rank or process, an earlier P process at
+    this address, another D socket)."""
 
     reason = "receiver"
 
@@ -100,10 +102,19 @@ def curve_client(sock: zmq.Socket, secret: bytes | None) -> None:  # type: ignor
         sock.curve_secretkey = secret_key
 
 
-def prefill_receiver(control_addr: str) -> bytes:
+def boot_id() -> bytes:
+    """What a P rank draws at start: with its address it names this one process (issue 31)."""
+    return os.urandom(ID_BYTES)
+
+
+def prefill_receiver(control_addr: str, boot: bytes) -> bytes:
     """The receiver D seals for: the P rank's advertised control address (`tcp://host:port`), which
-    names one rank of one process; P's rank loop knows it, D dials exactly it."""
-    return hashlib.sha256(b"kvferry control receiver\0" + control_addr.encode()).digest()[:ID_BYTES]
+    names one rank (D dials exactly it), and that rank's boot id, which names its process: a P
+    restarted at the same address (a fixed control port) starts with no sequence numbers, and so must
+    not open what D sealed for the old one."""
+    if len(boot) != ID_BYTES:
+        raise ValueError(f"a P rank's boot id is {ID_BYTES} bytes, not {len(boot)}")
+    return hashlib.sha256(b"kvferry control receiver\0" + boot + control_addr.encode()).digest()[:ID_BYTES]
 
 
 class Sealer:

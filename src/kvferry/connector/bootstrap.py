@@ -18,14 +18,14 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import httpx
 import msgspec
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
-from kvferry.connector.auth import derive
+from kvferry.connector.auth import derive, prefill_receiver
 from kvferry.connector.faults import FaultSpec
 from kvferry.transfer.addr import split_addr
 
@@ -40,9 +40,18 @@ FAIL_AFTER_S = 2.0  # a failure is reported this long after the lookup began (th
 T = TypeVar("T")
 
 
+# The random id a P rank drew at start (`auth.boot_id`, hex): D seals for it and the address together.
+BootId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+
+
 class RankInfo(msgspec.Struct):
     tp_rank: int
     control_addr: str  # tcp://host:port of the rank's ZMQ ROUTER
+    boot: BootId
+
+    def receiver(self) -> bytes:
+        """What D seals its messages to this rank for (`auth.prefill_receiver`)."""
+        return prefill_receiver(self.control_addr, bytes.fromhex(self.boot))
 
 
 class EngineInfo(msgspec.Struct):
@@ -50,8 +59,8 @@ class EngineInfo(msgspec.Struct):
     tp_size: int
     ranks: list[RankInfo]
 
-    def control_addr(self, rank: int) -> str:
-        return next(r.control_addr for r in self.ranks if r.tp_rank == rank)
+    def rank(self, rank: int) -> RankInfo:
+        return next(r for r in self.ranks if r.tp_rank == rank)
 
 
 class Registration(msgspec.Struct, forbid_unknown_fields=True):
@@ -59,6 +68,7 @@ class Registration(msgspec.Struct, forbid_unknown_fields=True):
     tp_size: int
     tp_rank: int
     control_addr: str
+    boot: BootId
 
 
 class BootstrapError(Exception):
@@ -84,6 +94,10 @@ class BootstrapServer:
     def register(self, reg: Registration) -> None:
         if not 0 <= reg.tp_rank < reg.tp_size:
             raise ValueError(f"tp_rank {reg.tp_rank} out of range for tp_size {reg.tp_size}")
+        try:  # a constructor checks no pattern (the boot id's)
+            msgspec.convert(msgspec.structs.asdict(reg), Registration)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"registration of rank {reg.tp_rank}: {exc}") from None
         with self._lock:
             self._engines.setdefault(reg.engine_id, {})[reg.tp_rank] = reg
 
@@ -95,7 +109,7 @@ class BootstrapServer:
             tp_size = next(iter(regs.values())).tp_size
             if len(regs) < tp_size:
                 return None  # not every rank has registered yet
-            ranks = [RankInfo(r.tp_rank, r.control_addr) for r in sorted(regs.values(), key=lambda r: r.tp_rank)]
+            ranks = [RankInfo(r.tp_rank, r.control_addr, r.boot) for r in sorted(regs.values(), key=lambda r: r.tp_rank)]
             return EngineInfo(engine_id, tp_size, ranks)
 
     def engines(self) -> list[EngineInfo]:

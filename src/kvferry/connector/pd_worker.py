@@ -82,12 +82,12 @@ class PDWorker:
         self.bootstrap_server.start()
 
     def registrations(self) -> list[Registration]:
-        """P: the bootstrap entries of the ranks this process serves (their control addresses)."""
+        """P: the bootstrap entries of the ranks this process serves (their control addresses, boot ids)."""
         if self.producer is None:
             return []
         ranks = sorted(self.producer.engines)
-        return [Registration(self.config.engine_id, self.config.tp_size, rank, addr)
-                for rank, addr in zip(ranks, self.producer.control_addrs, strict=True)]
+        return [Registration(self.config.engine_id, self.config.tp_size, rank, addr, boot)
+                for rank, addr, boot in zip(ranks, self.producer.control_addrs, self.producer.boot_ids, strict=True)]
 
     def _new_transfer_engine(self, rank: int) -> TransferEngine:
         port = self.config.data_port and self.config.data_port + rank
@@ -154,6 +154,7 @@ class PDWorker:
             "transfer_addrs": [e.address for e in self.transfer_engines],  # advertised
             "transfer_bound": [getattr(e, "bound_address", e.address) for e in self.transfer_engines],
             "control_addrs": self.producer.control_addrs if self.producer else [],  # advertised
+            "control_boots": self.producer.boot_ids if self.producer else [],  # as the bootstrap answers
             "control_bound": self.producer.control_bound if self.producer else [],
         }
 

@@ -26,7 +26,7 @@ from kvferry.connector.bootstrap import (
     PrefillAllowList,
     lookup_uniform,
 )
-from kvferry.connector.decode.dealer import Dealer
+from kvferry.connector.decode.dealer import Dealer, Dealers
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.decode.progress import Landed, p_working_since, stall_stage
 from kvferry.connector.decode.pulls import (
@@ -84,7 +84,7 @@ class Consumer:
         self.outbox = Outbox()
         self._landed = Landed(self.outbox, layout, self.engines)
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
-        self._dealers: dict[tuple[int, str], Dealer] = {}
+        self._dealers = Dealers(self._new_dealer)
         self._ctx = zmq.asyncio.Context()
         # Gaps between our own heartbeat ticks. When this loop lags, P hears from us late: we ask for a
         # lease that covers it (floor: LEASE_HEARTBEATS intervals; P caps it at its abort timeout). And
@@ -175,14 +175,18 @@ class Consumer:
         # same address has new ZMQ ports, so ask again rather than pull from a dead port.
         fresh = injected or (self.config.liveness and cached is not None and not self._connected(cached))
         # A target outside the allow-list is never asked; every failure is one answer at one time.
-        return await lookup_uniform(self.bootstrap, self._allow, spec.bootstrap_addr, spec.engine_id,
-                                    spec.transfer_id if injected else None, fresh)
+        tid = spec.transfer_id if injected else None
+        info = await lookup_uniform(self.bootstrap, self._allow, spec.bootstrap_addr, spec.engine_id, tid, fresh)
+        if any(self._dealers.retired(r.receiver()) for r in info.ranks):
+            # A P that restarted at its address since this (cached) answer, as another pull learnt.
+            info = await lookup_uniform(self.bootstrap, self._allow, spec.bootstrap_addr, spec.engine_id, tid, True)
+        return info
 
     def _connected(self, info: EngineInfo) -> bool:
-        live = {addr for (_, addr), dealer in self._dealers.items() if dealer.connected}
+        live = self._dealers.live()  # a P restarted at a rank's address since is another receiver
         heads, d_tp = self.layout.num_kv_heads, self.config.tp_size  # only the P ranks our D ranks pull from
         needed = {p for d in self.engines for p in p_ranks_for(heads, info.tp_size, d_tp, d, self.layout.replicated)}
-        return all(rank.control_addr in live for rank in info.ranks if rank.tp_rank in needed)
+        return all((r.control_addr, r.receiver()) in live for r in info.ranks if r.tp_rank in needed)
 
     def _send_pulls(self, pull: PullMeta, info: EngineInfo) -> None:
         heads_total = self.layout.num_kv_heads
@@ -191,7 +195,8 @@ class Consumer:
             for p_rank in p_ranks_for(heads_total, info.tp_size, d_tp, d_rank, self.layout.replicated):
                 heads = overlap(heads_total, info.tp_size, p_rank, d_tp, d_rank, self.layout.replicated)
                 assert heads is not None
-                pull.tasks.append(PullTask(d_rank, p_rank, heads, info.control_addr(p_rank)))
+                rank = info.rank(p_rank)
+                pull.tasks.append(PullTask(d_rank, p_rank, heads, rank.control_addr, rank.receiver()))
         pull.pull_tasks_count = len(pull.tasks)
         for task in pull.tasks:
             engine = self.engines[task.d_rank]
@@ -217,7 +222,7 @@ class Consumer:
             data = encode(request)
             if len(data) > MAX_MESSAGE_BYTES:  # P would refuse it; a huge frame would cost every pull
                 raise PullTooLarge(f"pull message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}: not sent")
-            self._dealer(task.d_rank, task.control_addr).send(
+            self._dealers.for_pull(task.d_rank, task.control_addr, task.receiver).send(
                 (pull.spec.transfer_id, pull.request_id), task.future, data
             )
 
@@ -334,8 +339,9 @@ class Consumer:
             data = encode(Release([pull.spec.transfer_id]))
             if len(data) > MAX_MESSAGE_BYTES:
                 return  # its pull was never sent either
-            for addr in {(t.d_rank, t.control_addr) for t in pull.tasks}:
-                self._dealer(*addr).send_raw(data)
+            for d_rank, addr, receiver in {(t.d_rank, t.control_addr, t.receiver) for t in pull.tasks}:
+                if (dealer := self._dealers.for_release(d_rank, addr, receiver)) is not None:
+                    dealer.send_raw(data)
         except Exception:
             log.exception("could not tell P to release transfer %r", pull.spec.transfer_id)
 
@@ -353,32 +359,21 @@ class Consumer:
             if pull.block_ids:
                 self._landed.report(pull)
 
-    def _dealer(self, d_rank: int, addr: str) -> Dealer:
-        dealer = self._dealers.get((d_rank, addr))
-        if dealer is None:
-            c = self.config  # the ZMTP heartbeat: every interval, dead after the timeout (dealer.py)
-            dealer = Dealer(self._ctx, addr, self._on_peer_dead, c.liveness, self.metrics.heartbeat_rtt_seconds.observe,
-                            c.secret, self.metrics.control_auth_failures.labels(side="decode").inc,
-                            DelayEstimator(c.heartbeat_timeout_s, c.heartbeat_ceiling_s), c.heartbeat_interval_s)
-            self._dealers[(d_rank, addr)] = dealer
-        return dealer
+    def _new_dealer(self, addr: str, receiver: bytes) -> Dealer:
+        c = self.config  # the ZMTP heartbeat: every interval, dead after the timeout (dealer.py)
+        return Dealer(self._ctx, addr, receiver, self._on_peer_dead, c.liveness, self.metrics.heartbeat_rtt_seconds.observe,
+                      c.secret, self.metrics.control_auth_failures.labels(side="decode").inc,
+                      DelayEstimator(c.heartbeat_timeout_s, c.heartbeat_ceiling_s), c.heartbeat_interval_s)
 
     def _on_peer_dead(self, request_ids: list[str], reason: str) -> None:
         pulls = [self._pulls[r] for r in request_ids if r in self._pulls]
         self._handle_failed_recv(pulls, "peer_dead", reason)
 
     async def _sweep_dealers(self) -> None:
-        """Close DEALERs no pull waits on: at once when their P is gone (a second's grace for a
-        Release still in flight), after `dealer_idle_s` otherwise."""
+        """Close DEALERs no pull waits on (`Dealers.sweep`)."""
         while True:
             await asyncio.sleep(min(0.5, self.config.dealer_idle_s))
-            now = self.loop.time()
-            for key, dealer in list(self._dealers.items()):
-                idle_for = now - dealer.last_used
-                gone = self.config.liveness and not dealer.connected and idle_for > 1.0
-                if not dealer.waiters and (gone or idle_for > self.config.dealer_idle_s):
-                    del self._dealers[key]
-                    dealer.close()
+            self._dealers.sweep(self.loop.time(), self.config.liveness, self.config.dealer_idle_s)
 
     @property
     def lease_s(self) -> float:

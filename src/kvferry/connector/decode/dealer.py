@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +33,9 @@ from kvferry.connector.auth import (
     Opener,
     Sealer,
     curve_client,
-    prefill_receiver,
+    remember,
 )
+from kvferry.connector.bootstrap import BootstrapError
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.messages import (
     Heartbeat,
@@ -56,20 +57,23 @@ OnDead = Callable[[list[str], str], None]
 
 
 class Dealer:
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, on_dead: OnDead, watch_connection: bool,
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, receiver: bytes, on_dead: OnDead, watch_connection: bool,
                  on_rtt: Callable[[float], None] | None = None, secret: bytes | None = None,
                  on_forged: Callable[[], None] | None = None, silence: DelayEstimator | None = None,
                  ping_s: float = 0.0) -> None:
-        """`ping_s`: libzmq's heartbeat interval on a watched connection (its timeout: the silence floor,
+        """`receiver`: the P process we seal for (`RankInfo.receiver`: the address and the rank's boot id);
+        `ping_s`: libzmq's heartbeat interval on a watched connection (its timeout: the silence floor,
         `--heartbeat-timeout`); 0: no ZMTP heartbeat."""
         self.addr = addr
+        self.receiver = receiver
         # How long an unanswered heartbeat may stay so, learnt from P's ack round trips.
         self.silence = silence if silence is not None else DelayEstimator(1.5, 1.5)
         self.on_dead = on_dead
         self.on_rtt = on_rtt
         self.on_forged = on_forged
-        # Sealed for this P rank alone; P's replies must name this socket's own session (issue 31.4).
-        self._sealer = Sealer(secret, TO_PREFILL, prefill_receiver(addr))
+        # Sealed for this P rank of this P process alone; P's replies must name this socket's own
+        # session (issue 31.4).
+        self._sealer = Sealer(secret, TO_PREFILL, receiver)
         self._opener = Opener(secret, TO_DECODE, self._sealer.session)
         # Send times of heartbeats not yet acked: P answers them in order on this one connection.
         self._pings: deque[float] = deque(maxlen=MAX_PINGS)
@@ -95,6 +99,9 @@ class Dealer:
         self.last_used = loop.time()  # when a message last went out (idle dealers get closed)
         self.waiting_since: float | None = None
         self.connected = False  # an established connection to P (known only when the connection is watched)
+        # An established connection closed: libzmq dials again, and may reach another P process at this
+        # address, which refuses what we seal. Such a DEALER takes no new pull (`Dealers.for_pull`).
+        self.lost = False
         self._tasks = [loop.create_task(self._read())]
         self._monitor: zmq.asyncio.Socket | None = None
         if watch_connection:
@@ -189,12 +196,17 @@ class Dealer:
                 self.connected = True
                 self._pings.clear()  # a new P process: the old one's acks never come
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
-                self.connected = False
+                self.connected, self.lost = False, True
                 self._dead(f"connection to P at {self.addr} closed")
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 # Closed inside its handshake (P's or our limit ran out): proves nothing about P, and
                 # the silence clock keeps running across the attempts.
                 log.info("handshake with P at %s did not complete in time; dialing again", self.addr)
+
+    def retire(self, reason: str) -> None:
+        """Fail what waits on this DEALER (`reason`) and close it."""
+        self._dead(reason)
+        self.close()
 
     def close(self) -> None:
         for task in self._tasks:
@@ -203,3 +215,54 @@ class Dealer:
             self.sock.disable_monitor()
             self._monitor.close(0)
         self.sock.close(0)
+
+
+class Dealers(dict[tuple[int, str], Dealer]):
+    """D's DEALERs: one per (D rank, P rank's control address), each sealed for one P process (its
+    receiver: the address and the boot id of P's bootstrap answer). A P restarted at the same address
+    (a fixed control port) is another receiver: the first pull for it retires the old DEALER (its
+    waiters fail as `peer_dead`), and an answer naming a retired process is never used again (issue 31)."""
+
+    def __init__(self, make: Callable[[str, bytes], Dealer]) -> None:
+        super().__init__()
+        self._make = make
+        self._retired: OrderedDict[bytes, bool] = OrderedDict()  # receivers (address and boot id), an LRU
+
+    def retired(self, receiver: bytes) -> bool:
+        return receiver in self._retired
+
+    def live(self) -> set[tuple[str, bytes]]:
+        """The P processes we hold an unbroken connection to: a cached answer naming them still holds."""
+        return {(d.addr, d.receiver) for d in self.values() if d.connected and not d.lost}
+
+    def for_pull(self, d_rank: int, addr: str, receiver: bytes) -> Dealer:
+        dealer = self.get((d_rank, addr))
+        if dealer is not None and dealer.receiver == receiver and not dealer.lost:
+            return dealer
+        if self.retired(receiver):
+            raise BootstrapError(f"P at {addr} restarted after its bootstrap answer")
+        self[(d_rank, addr)] = self._make(addr, receiver)
+        if dealer is not None:  # after the new one is in: a failing pull's Release must not use the old
+            restarted = dealer.receiver != receiver
+            if restarted:
+                remember(self._retired, dealer.receiver, True)
+            dealer.retire(f"P at {addr} " + ("restarted (a new boot id)" if restarted else "lost its connection"))
+        return self[(d_rank, addr)]
+
+    def for_release(self, d_rank: int, addr: str, receiver: bytes) -> Dealer | None:
+        """The DEALER to tell that P process to release (a lost one too: it may be the same P); None
+        when a later P holds its address (that one refuses what we would seal)."""
+        dealer = self.get((d_rank, addr))
+        if dealer is None and not self.retired(receiver):
+            dealer = self[(d_rank, addr)] = self._make(addr, receiver)
+        return dealer if dealer is not None and dealer.receiver == receiver else None
+
+    def sweep(self, now: float, liveness: bool, idle_s: float) -> None:
+        """Close DEALERs no pull waits on: at once when their P is gone (a second's grace for a Release
+        still in flight), after `idle_s` otherwise."""
+        for key, dealer in list(self.items()):
+            idle_for = now - dealer.last_used
+            gone = liveness and (not dealer.connected or dealer.lost) and idle_for > 1.0
+            if not dealer.waiters and (gone or idle_for > idle_s):
+                del self[key]
+                dealer.close()

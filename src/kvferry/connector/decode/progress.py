@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvferry.connector.decode.dealer import Dealer
+from kvferry.connector.decode.dealer import Dealers
 from kvferry.connector.decode.pulls import Outbox, PullMeta, PullTask
 from kvferry.connector.layout import KVLayout
 from kvferry.connector.messages import FirstToken
 from kvferry.transfer.base import TransferEngine, covered
 
-Dealers = dict[tuple[int, str], Dealer]  # (D rank, P control address) → its DEALER
 DRAIN_POLL_S = 0.05  # how often a held pull's grants are asked whether they drained
 log = logging.getLogger(__name__)
 

@@ -70,6 +70,7 @@ class PullTask:
     p_rank: int
     heads: tuple[int, int]
     control_addr: str
+    receiver: bytes  # the P process its messages are sealed for (`RankInfo.receiver`)
     grant: str | None = None
     written: list[ByteRange] | None = None  # final, once the grant is closed
     fenced: str = ""  # the closed grant, when bytes may still land in it (`TransferEngine.draining`)

@@ -74,6 +74,7 @@ class Producer:
         self._ranks = [RankLoop(self._shared, rank, host, control_port and control_port + rank, advertise_host or host)
                        for rank in self.engines]
         self.control_addrs = [r.address for r in self._ranks]  # advertised
+        self.boot_ids = [r.boot.hex() for r in self._ranks]  # each rank's, drawn at start (bootstrap answer)
         self.control_bound = [r.bound for r in self._ranks]
         for r in self._ranks:
             r.start()

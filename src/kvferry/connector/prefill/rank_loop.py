@@ -31,6 +31,7 @@ from kvferry.connector.auth import (
     AuthError,
     Opener,
     Sealer,
+    boot_id,
     prefill_receiver,
     remember,
 )
@@ -90,10 +91,13 @@ class RankLoop(threading.Thread):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._outbox: deque[tuple[bytes, PullResponse | HeartbeatAck]] = deque()
-        # D seals for the address it dialled, which is the one we advertise; we answer the D session
-        # we heard from on each connection (ROUTER identity → session), so no reply fits another socket.
+        # D seals for the address it dialled, which is the one we advertise, and for this process's boot
+        # id (both from our bootstrap answer): what D sealed for an earlier P at this address is refused.
+        # We answer the D session we heard from on each connection (ROUTER identity → session), so no
+        # reply fits another socket.
+        self.boot = boot_id()
         self._sealer = Sealer(shared.secret, TO_DECODE)
-        self._opener = Opener(shared.secret, TO_PREFILL, prefill_receiver(self.address))
+        self._opener = Opener(shared.secret, TO_PREFILL, prefill_receiver(self.address, self.boot))
         self._sessions: OrderedDict[bytes, bytes] = OrderedDict()
         self._parked: list[Parked] = []
         self._last_turn = time.monotonic()
