@@ -116,11 +116,14 @@ def in_transfer(p: Proc, d: Proc) -> bool:
     )
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_dead_or_hung_prefill_is_noticed_and_a_restarted_one_works(how: str) -> None:
+@pytest.mark.parametrize(("how", "fixed"), [("kill", False), ("stop", False), ("kill", True)])
+def test_dead_or_hung_prefill_is_noticed_and_a_restarted_one_works(how: str, fixed: bool) -> None:
+    """`fixed`: P restarts at the same control port too, a new process at an address D still holds a
+    connection for (issue 31: D must seal for the new P's boot id, so it asks the bootstrap again)."""
     bootstrap_port = str(free_port())
     slow = ("--faults", "slow=30000")  # P accepts the pull, then sits on it
-    p_args = ("--role", "prefill", "--bootstrap-port", bootstrap_port, "--num-blocks", "256", "--seed", "0")
+    p_args = ("--role", "prefill", "--bootstrap-port", bootstrap_port, "--num-blocks", "256", "--seed", "0",
+              *(("--control-port", str(free_port())) if fixed else ()))
     p = serve(None, *p_args, *slow)
     p_port = p.url.rsplit(":", 1)[1]
     d = serve(None, "--role", "decode", "--num-blocks", "256", "--seed", "0", "--kv-load-failure-policy", "fail")

@@ -1,7 +1,8 @@
 """P restarted again and again at the same address (same engine_id and bootstrap server, new ZMQ
 ports): D asks the bootstrap server again instead of pulling from a dead port, so the very next
 request works (issue 12.2), and D closes the DEALERs no live pull uses, so its sockets and fds stay
-bounded by the live P ranks (issue 13.7)."""
+bounded by the live P ranks (issue 13.7). With a fixed control port and the secret each P is a new
+receiver at the same address (its boot id, issue 31): D asks again too, and seals for the new one."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import os
 import time
 
 import numpy as np
+import pytest
 
-from kvferry.connector.bootstrap import BootstrapServer, Registration
+from kvferry.connector.bootstrap import BootstrapClient, BootstrapServer, Registration
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVCacheSpec, PagedKVLayout
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer
+from kvferry.harness.processes import HARNESS_SECRET
 from kvferry.transfer.tcp.engine import TcpTransferEngine
-from procs import free_port
+from procs import free_port, wait_until
 
 SPEC = KVCacheSpec(num_blocks=8, num_layers=2, num_kv_heads=2, block_size=4, head_dim=8)
 RESTARTS = 25
@@ -28,24 +31,30 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_p_restarted_at_the_same_address_serves_the_next_request_and_d_sockets_stay_bounded() -> None:
-    server = BootstrapServer("127.0.0.1", free_port())
+@pytest.mark.parametrize("fixed", [False, True], ids=["new-ports", "fixed-control-port-secret"])
+def test_p_restarted_at_the_same_address_serves_the_next_request_and_d_sockets_stay_bounded(fixed: bool) -> None:
+    secret, control_port = (HARNESS_SECRET.encode(), free_port()) if fixed else (None, 0)
+    server = BootstrapServer("127.0.0.1", free_port(), secret=secret)
     server.start()
     d_kv = np.zeros(SPEC.shape, dtype=np.float32)
-    d_engine = TcpTransferEngine()
+    d_engine = TcpTransferEngine(secret=secret or b"")
     metrics = Metrics()
-    consumer = Consumer(PagedKVLayout(SPEC, d_kv), [d_engine],
-                        ConsumerConfig(recv_timeout_s=10.0, kv_load_deadline_s=10.0, dealer_idle_s=1.0), metrics)
+    config = ConsumerConfig(recv_timeout_s=10.0, kv_load_deadline_s=10.0, dealer_idle_s=1.0, secret=secret)
+    consumer = Consumer(PagedKVLayout(SPEC, d_kv), [d_engine], config, metrics, BootstrapClient(secret=secret))
     finished: set[str] = set()
     causes: dict[str, tuple[str, str]] = {}
     fds_after_first = 0
     try:
         for i in range(RESTARTS):
             p_kv = np.full(SPEC.shape, float(i + 1), dtype=np.float32)
-            p_engine = TcpTransferEngine()
-            producer = Producer(PagedKVLayout(SPEC, p_kv), [p_engine], "127.0.0.1", 10.0, FaultSpec(), Metrics())
+            p_engine = TcpTransferEngine(secret=secret or b"")
+            producer = Producer(PagedKVLayout(SPEC, p_kv), [p_engine], "127.0.0.1", 10.0, FaultSpec(), Metrics(), secret,
+                                control_port=control_port)
             try:
                 server.register(Registration("p", 1, 0, producer.control_addrs[0], producer.boot_ids[0]))
+                if fixed and i:  # libzmq dialled the old P's address again: the cached answer looks live
+                    wait_until(lambda: any(d.connected for d in list(consumer._dealers.values())), 10,
+                               "D's DEALER to reconnect to the new P")
                 producer.add_ready(f"x{i}", f"p{i}", [1, 2], 2 * SPEC.block_size)
                 consumer.start_pulls([PullSpec(f"d{i}", f"x{i}", [3, 4], "p", f"127.0.0.1:{server.port}",
                                                2 * SPEC.block_size)])
