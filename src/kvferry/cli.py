@@ -144,7 +144,7 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
     p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e", "chunked", "model", "vllm", "serve",
-                                        "load_faults"], help="which benchmark")
+                                        "load_faults", "flood"], help="which benchmark (flood: requests under strangers' floods)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
     p.add_argument("--model", default="smollm2", help="bench model: the model to measure (tiny, smollm2, a path)")

@@ -1,7 +1,7 @@
 """Strangers without KVFERRY_SECRET flood P's ZMQ control port (issue 31.3-6), real P, D and proxy with
-the secret set, the flood from a process of its own (`stranger.py`): legitimate requests through the
-proxy keep succeeding (>= 99 %, the same text), and what the flood costs P stays bounded: descriptors
-(1,000 idle connections used to take P to its fd limit), memory (48 half-sent 16 MiB frames pinned
+the secret set, the flood from a process of its own (`kvferry.harness.stranger`): legitimate requests
+through the proxy keep succeeding (>= 99 %, the same text), and what the flood costs P stays bounded:
+descriptors (1,000 idle connections used to take P to its fd limit), memory (48 half-sent 16 MiB frames pinned
 +770 MiB), log lines (one warning per dropped message), the rank loop (junk of 10,000 frames a message
 kept it draining until D called P dead)."""
 
@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,7 +20,6 @@ import pytest
 from kvferry.connector.prefill.guard import UNPROVEN_MAX
 from procs import Proc, pd_system
 
-STRANGER = Path(__file__).with_name("stranger.py")
 FLOOD_S = 8.0
 CONNS = {"idle": 1000, "junk": 8, "bigframe": 48, "reconnect": 32}
 
@@ -65,8 +63,8 @@ def test_legitimate_requests_survive_a_flood_of_strangers(system: tuple[Proc, Pr
     control = httpx.get(f"{p.url}/debug/state", timeout=5).json()["connector"]["control_addrs"][0]
     fds0, rss0, log0 = fds(p.pid), rss_mib(p.pid), log_lines(p)
     drops0 = metric(p.url, "kvferry_control_dropped_total")
-    attacker = subprocess.Popen([sys.executable, str(STRANGER), mode, control, "--conns", str(CONNS[mode]),
-                                 "--seconds", str(FLOOD_S)])
+    attacker = subprocess.Popen([sys.executable, "-m", "kvferry.harness.stranger", mode, control,
+                                 "--conns", str(CONNS[mode]), "--seconds", str(FLOOD_S)])
     ok = total = 0
     peak_fds, peak_rss = fds0, rss0
     try:

@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from flood import HalfOpenFlood
 from kvferry.harness.processes import HARNESS_SECRET
+from kvferry.harness.stranger import HalfOpenFlood
 from kvferry.transfer import secret as secret_rules
 from kvferry.transfer.tcp.handshake import client_handshake
 from procs import Proc, pd_system

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from transfer_helpers import parse, pattern, raw_session, wait_for
 
-from flood import HalfOpenFlood
+from kvferry.harness.stranger import HalfOpenFlood
 from kvferry.transfer.base import ByteRange, TransferError, WriteOp
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 from kvferry.transfer.tcp.limits import Limits, bucket
