@@ -69,18 +69,22 @@ def test_a_flood_with_no_answer_misses() -> None:
 
 def test_cost_row_per_request() -> None:
     usage = Usage(requests=4, client_ttft_s=0.2)
-    before = {f"{c}:{part}": 0.0 for c, _, _ in STAGES for part in ("sum", "count")} | {"cpu:P": 1.0, "wait:P": 0.5}
-    after = dict(before) | {"P_prefill_ms:sum": 0.08, "P_prefill_ms:count": 4.0, "cpu:P": 1.1, "wait:P": 0.9}
+    before = {f"{c}:{part}": 0.0 for c, _, _ in STAGES for part in ("sum", "count")} | {
+        "cpu:P": 1.0, "wait:P": 0.5, "box:busy": 10.0, "box:total": 40.0}
+    after = dict(before) | {"P_prefill_ms:sum": 0.08, "P_prefill_ms:count": 4.0, "cpu:P": 1.1, "wait:P": 0.9,
+                            "box:busy": 10.3, "box:total": 40.6}
     usage.add(before, after)
     row = cost_row(FLOODS[0], "flood", usage)
     assert row["client_ttft_ms"] == 50 and row["P_prefill_ms"] == 20.0 and row["D_pull_ms"] is None
     assert row["P_cpu_ms"] == 25.0 and row["P_wait_ms"] == 100.0 and row["stranger_cpu_ms"] is None
+    # The box was busy 0.3 of 0.6 CPU-seconds; P's 0.1 of it is ours, the rest is someone else's.
+    assert row["box_idle_%"] == 50 and row["others_cpu_ms"] == 50.0
 
 
 def test_workload_is_deterministic_and_distinct() -> None:
     items = workload(10)
     assert items == workload(10) and len({tuple(i.prompt) for i in items}) == 10
-    assert all(len(i.prompt) == 96 and 1 <= min(i.prompt) and max(i.prompt) <= 251 for i in items)
+    assert all(len(i.prompt) == 96 and min(i.prompt) >= 1 and max(i.prompt) <= 251 for i in items)
 
 
 def test_sources() -> None:

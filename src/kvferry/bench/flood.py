@@ -119,13 +119,13 @@ STAGES = (("P_prefill_ms", "prefill", "kvferry_time_to_first_token_seconds"),
           ("D_pull_ms", "decode", "kvferry_kv_transfer_seconds"),
           ("D_ttft_ms", "decode", "kvferry_time_to_first_token_seconds"),
           ("D_hb_rtt_ms", "decode", "kvferry_heartbeat_rtt_seconds"))
-CPU_OF = ("P", "D", "proxy", "stranger")
+CPU_OF = ("P", "D", "proxy", "stranger", "client")  # client: this process (requests, fd sampler)
 
 
 @dataclass
 class Usage:
     """What the phases of one kind cost: histogram (sum, count) deltas per stage; per process, seconds on a
-    CPU and seconds runnable but waiting for one (the kernel's schedstat, all threads)."""
+    CPU and seconds runnable but waiting for one (`_sched_s`)."""
 
     requests: int = 0
     client_ttft_s: float = 0.0
@@ -137,7 +137,7 @@ class Usage:
             self.stages[column][0] += after[f"{column}:sum"] - before[f"{column}:sum"]
             self.stages[column][1] += after[f"{column}:count"] - before[f"{column}:count"]
         for key, value in after.items():
-            if key.startswith(("cpu:", "wait:")):
+            if key.startswith(("cpu:", "wait:", "box:")):
                 self.sched_s[key] = self.sched_s.get(key, 0.0) + value - before.get(key, value)
 
 
@@ -151,23 +151,35 @@ def cost_row(flood: Flood, phase: str, usage: Usage) -> dict[str, Any]:
         for kind in ("cpu", "wait"):
             seconds = usage.sched_s.get(f"{kind}:{name}")
             row[f"{name}_{kind}_ms"] = None if seconds is None else round(1000 * seconds / n, 1)
+    busy, total = usage.sched_s.get("box:busy", 0.0), usage.sched_s.get("box:total", 0.0)
+    ours = sum(v for k, v in usage.sched_s.items() if k.startswith("cpu:"))
+    row["others_cpu_ms"] = round(1000 * (busy - ours) / n, 1)  # other jobs on the box, and the kernel's
+    row["irq_cpu_ms"] = round(1000 * usage.sched_s.get("box:irq", 0.0) / n, 1)
+    row["box_idle_%"] = round(100 * (1 - busy / total)) if total else None
     return row
 
 
 def _sched_s(pid: int) -> tuple[float, float]:
-    """(on a CPU, waiting in a run queue) in seconds, summed over the process's live threads."""
-    run = wait = 0
+    """(on a CPU, waiting in a run queue) in seconds. CPU: the whole process, threads that exited included
+    (utime + stime); the wait: the kernel keeps it per thread only, so live threads' schedstat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    wait = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            fields = f.read().split()
-            run, wait = run + int(fields[0]), wait + int(fields[1])
-    return run / 1e9, wait / 1e9
+            wait += int(f.read().split()[1])
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), wait / 1e9
 
 
 def _snapshot(system: PDSystem, pids: dict[str, int]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, pid in pids.items():
         out[f"cpu:{name}"], out[f"wait:{name}"] = _sched_s(pid)
+    with open("/proc/stat") as f:  # every CPU of the box: user nice system idle iowait irq softirq steal
+        ticks = [int(t) for t in f.readline().split()[1:9]]
+    clock = os.sysconf("SC_CLK_TCK")
+    out["box:total"], out["box:busy"] = sum(ticks) / clock, (sum(ticks) - ticks[3] - ticks[4]) / clock
+    out["box:irq"] = (ticks[5] + ticks[6]) / clock  # the kernel's network work lands here, charged to no process
     pages = {}
     for proc in (system.prefill, system.decode):
         assert proc is not None
@@ -260,7 +272,7 @@ def measure(system: PDSystem, flood: Flood, items: Sequence[WorkItem],
     target = connector["transfer_addrs" if flood.on_data_port else "control_addrs"][0]
     phases = {False: Phase(), True: Phase()}
     usage = {False: Usage(), True: Usage()}
-    pids = {"P": system.prefill.pid, "D": system.decode.pid, "proxy": system.proxy.pid}
+    pids = {"P": system.prefill.pid, "D": system.decode.pid, "proxy": system.proxy.pid, "client": os.getpid()}
     base = peak = _fds(victim.pid)
     counts: list[int] = []
     drops0 = _dropped_total(system.prefill.url)
