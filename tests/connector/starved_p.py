@@ -3,7 +3,7 @@ interpreter the test can starve: `starve S` holds the GIL for S seconds, so no P
 rank loops included) runs, while the process, and libzmq's I/O thread in it, stay alive.
 
     python starved_p.py SECRET PORT      prints "ready BOOTSTRAP_ADDR", then per line "ok":
-    working TID RID | ready TID RID | starve SECONDS
+    working TID RID | ready TID RID | starve SECONDS | held (answers "ok N": the transfers P holds)
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def main() -> None:
             producer.add_ready(args[0], args[1], P_BLOCKS, len(P_BLOCKS) * SPEC.block_size)
         elif cmd == "starve":
             starve(float(args[0]))
+        elif cmd == "held":
+            print(f"ok {len(producer.table)}", flush=True)
+            continue
         print("ok", flush=True)
     producer.close()
     engine.close()

@@ -1,23 +1,34 @@
 """One DEALER socket from a D rank to a P rank: routes replies to waiting pulls and watches P's liveness.
 
 A dead P is noticed three ways:
-- an established connection closing (ZMQ monitor event; a killed process is seen at once). One that
-  closes inside its ZMTP handshake is not: on a starved box a live P's handshake can outlast P's or D's
-  limit, and libzmq dials again by itself (a P that never completes one is dead by the ceiling);
 - libzmq's own ZMTP heartbeat (issue 32.6): D's I/O thread pings every `--heartbeat-interval`, P's
   answers without its interpreter, so a stopped or hung *process* loses the connection after
-  `--heartbeat-timeout` (then as above), while a P whose Python is starved of the GIL or the CPU keeps it;
+  `--heartbeat-timeout`, while a P whose Python is starved of the GIL or the CPU keeps it;
+- an established connection that closes is judged by what libzmq's re-dial (every `RECONNECT_MS`)
+  meets: refused (the port is closed: the process is gone, a kill -9 is seen in ~10 ms) → dead at once;
+  a completed ZMTP handshake (P's I/O thread answers: alive, not stopped) → the pulls go on; neither by
+  the bound → dead. The bound is what P's recent ack round trips allow (`liveness.DelayEstimator`,
+  floor `--heartbeat-timeout`), counted from the last time P was heard: on an idle box a SIGSTOP'd P is
+  dead as its connection drops, while after slow acks (a loaded box, a whole process starved of the
+  CPU so that its I/O thread missed the ZMTP timeout) a longer gap is ridden out. Across the re-dial
+  nothing is lost: the DEALER's routing id is fixed (P's ROUTER hands it over to the new connection),
+  and D sends every pull it still waits on again; P answers a repeated pull idempotently (the write
+  in flight: CONTINUE; done: its remembered answer). Until P answers after the re-dial the bound still
+  holds: a *new* P process at the same address refuses what we seal and so is dead by it. A connection
+  that closes inside its handshake proves nothing (libzmq dials again; a P that never completes one is
+  dead by the ceiling);
 - silence of P's Python (the request does not progress): a heartbeat left unanswered past its bound.
   With the ZMTP heartbeat that bound is the ceiling (`--heartbeat-ceiling`); without it (a ceiling at
-  or below the timeout: fixed thresholds) it is what P's recent ack round trips allow
-  (`liveness.DelayEstimator`). Silence counts from the oldest heartbeat P has not answered, never from
-  P's last answer: when D's own loop lags and sends nothing, P is not silent.
+  or below the timeout: fixed thresholds) it is what P's recent ack round trips allow. Silence counts
+  from the oldest heartbeat P has not answered, never from P's last answer: when D's own loop lags and
+  sends nothing, P is not silent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +65,15 @@ WaiterKey = tuple[str, str]  # (transfer_id, d_request_id)
 MAX_PINGS = 4096
 # Called with the request ids waiting on a dead P and the reason.
 OnDead = Callable[[list[str], str], None]
+# libzmq dials a closed connection again after this (plus up to as much jitter), backing off to the
+# max while the dial fails: a refused re-dial (the process is gone) is seen within ~0.03 s.
+RECONNECT_MS, RECONNECT_MAX_MS = 10, 1000
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+
+def routing_id() -> bytes:
+    """A DEALER's fixed ZMQ routing id: 16 random bytes, the first not 0 (libzmq's own ids)."""
+    return bytes([1 + os.urandom(1)[0] % 255]) + os.urandom(15)
 
 
 class Dealer:
@@ -80,6 +100,10 @@ class Dealer:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 21)
+        # Fixed, so P's ROUTER (ROUTER_HANDOVER) routes its replies to our re-dialled connection.
+        self.sock.setsockopt(zmq.ROUTING_ID, routing_id())
+        self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         curve_client(self.sock, secret)
         # Process liveness is libzmq's, so our Python silence may wait for the ceiling (adaptive only).
         zmtp = watch_connection and ping_s > 0
@@ -90,6 +114,7 @@ class Dealer:
             self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
             self.sock.setsockopt(zmq.HANDSHAKE_IVL, max(timeout_ms, 1000))  # a P stopped mid-connect
         self.waiters: dict[WaiterKey, asyncio.Future[PullResponse]] = {}
+        self._sent: dict[WaiterKey, bytes] = {}  # each waiter's pull, sent again after a re-dial
         # When P started writing each pull (its CONTINUE): transfer time excludes waiting for prefill.
         self.writing_since: dict[WaiterKey, float] = {}
         # When P last said it still has a transfer queued or prefilling (its HeartbeatAck.working).
@@ -99,13 +124,17 @@ class Dealer:
         self.last_used = loop.time()  # when a message last went out (idle dealers get closed)
         self.waiting_since: float | None = None
         self.connected = False  # an established connection to P (known only when the connection is watched)
-        # An established connection closed: libzmq dials again, and may reach another P process at this
-        # address, which refuses what we seal. Such a DEALER takes no new pull (`Dealers.for_pull`).
+        # When an established connection closed, until P answers after libzmq's re-dial (None: unbroken).
+        self.dropped: float | None = None
+        self._handshook = self.last_seen  # the last completed ZMTP handshake: P's process answered then
+        self._at_least = 0.0  # the least bound our own loop's lag allows (from the last heartbeat tick)
+        # P judged dead after its connection closed (the re-dial refused, or nothing by the bound): this
+        # DEALER takes no new pull (`Dealers.for_pull`) and its cached bootstrap answer is asked again.
         self.lost = False
         self._tasks = [loop.create_task(self._read())]
         self._monitor: zmq.asyncio.Socket | None = None
         if watch_connection:
-            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self._monitor = self.sock.get_monitor_socket(_EVENTS)
             self._tasks.append(loop.create_task(self._watch(self._monitor)))
         self.sock.connect(addr)
 
@@ -113,6 +142,7 @@ class Dealer:
         if not self.waiters:
             self.waiting_since = asyncio.get_running_loop().time()
         self.waiters[key] = future
+        self._sent[key] = data
         self.send_raw(data)
 
     def send_raw(self, data: bytes) -> None:
@@ -125,6 +155,7 @@ class Dealer:
     def forget(self, key: WaiterKey) -> float | None:
         """Stop waiting for `key`; returns when P started writing it, if it did."""
         self.waiters.pop(key, None)
+        self._sent.pop(key, None)
         self.working_seen.pop(key[0], None)
         return self.writing_since.pop(key, None)
 
@@ -138,8 +169,13 @@ class Dealer:
     def heartbeat(self, now: float, lease_s: float, at_least: float = 0.0) -> None:
         """Ping P for the pulls waiting on it; declare it dead once it stays silent past its threshold
         (never below `at_least`: what our own loop's lag says the box allows)."""
+        self._at_least = at_least
+        if self.dropped is not None:
+            self._judge(now)
         if not self.waiters:
             return
+        if self.dropped is not None and not self.connected:
+            return  # the bound above judges; heartbeats resume on the re-dialled connection
         limit = max(self.silence.ceiling if self.zmtp else self.silence.threshold(), at_least)
         if self.silent_for(now) > limit and int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
             self.last_seen = now  # P did answer; our reader is just behind (a busy D)
@@ -150,10 +186,33 @@ class Dealer:
         self.send_raw(encode(Heartbeat(sorted({tid for tid, _ in self.waiters}), lease_s)))
         self._pings.append(now)
 
+    def _judge(self, now: float) -> None:
+        """After the connection dropped: P is dead once nothing was heard of it (a reply, a completed
+        handshake, or the start of the current wait) for longer than its recent round trips allow."""
+        if self.lost or self.dropped is None:
+            return
+        limit = max(self.silence.threshold(), self._at_least)
+        heard = max(self.last_seen, self._handshook, self.waiting_since or self.last_seen)
+        if now - heard > limit:
+            self._lose(f"P at {self.addr} unreachable for {now - self.dropped:.1f}s after its connection dropped "
+                       f"(last heard {now - heard:.1f}s ago, bound {limit:.1f}s)")
+
+    def _lose(self, reason: str) -> None:
+        self.lost = True
+        self._dead(reason)
+
+    def _resend(self) -> None:
+        """The re-dial completed: P's replies sent while the connection was down are gone, so every pull
+        we still wait on goes again (P answers a repeat idempotently)."""
+        for key in list(self.waiters):
+            if key in self._sent:
+                self.send_raw(self._sent[key])
+
     def _dead(self, reason: str) -> None:
         self._pings.clear()
         request_ids = [rid for _, rid in self.waiters]
         self.waiters.clear()
+        self._sent.clear()
         self.writing_since.clear()
         self.working_seen.clear()
         if request_ids:
@@ -171,6 +230,8 @@ class Dealer:
                     self.on_forged()
                 continue
             self.last_seen = asyncio.get_running_loop().time()
+            if self.connected and self.dropped is not None and not self.lost:
+                self.dropped = None  # P answered on the re-dialled connection: the same process, alive
             if isinstance(message, HeartbeatAck):
                 if self._pings:
                     rtt = self.last_seen - self._pings.popleft()
@@ -186,22 +247,33 @@ class Dealer:
                     self.writing_since.setdefault(key, self.last_seen)
                 continue
             future = self.waiters.pop(key, None)
+            self._sent.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(message)
 
     async def _watch(self, monitor: Any) -> None:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
+            now = asyncio.get_running_loop().time()
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected = True
-                self._pings.clear()  # a new P process: the old one's acks never come
+                self.connected, self._handshook = True, now
+                self._pings.clear()  # their acks went with the old connection (or the old process)
+                if self.dropped is not None and not self.lost:
+                    log.info("connection to P at %s re-established; its pulls are sent again", self.addr)
+                    self._resend()
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
-                self.connected, self.lost = False, True
-                self._dead(f"connection to P at {self.addr} closed")
+                self.connected = False
+                if not self.lost:
+                    self.dropped = now if self.dropped is None else self.dropped
+                    log.info("connection to P at %s closed; dialing again", self.addr)
+                    self._judge(now)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 # Closed inside its handshake (P's or our limit ran out): proves nothing about P, and
                 # the silence clock keeps running across the attempts.
                 log.info("handshake with P at %s did not complete in time; dialing again", self.addr)
+            elif event["event"] == zmq.EVENT_CLOSED and self.dropped is not None and not self.connected:
+                # A dial that failed outright (refused: nothing listens at P's port any more).
+                self._lose(f"connection to P at {self.addr} closed and the re-dial refused: P is gone")
 
     def retire(self, reason: str) -> None:
         """Fail what waits on this DEALER (`reason`) and close it."""
@@ -233,7 +305,7 @@ class Dealers(dict[tuple[int, str], Dealer]):
 
     def live(self) -> set[tuple[str, bytes]]:
         """The P processes we hold an unbroken connection to: a cached answer naming them still holds."""
-        return {(d.addr, d.receiver) for d in self.values() if d.connected and not d.lost}
+        return {(d.addr, d.receiver) for d in self.values() if d.connected and d.dropped is None and not d.lost}
 
     def for_pull(self, d_rank: int, addr: str, receiver: bytes) -> Dealer:
         dealer = self.get((d_rank, addr))

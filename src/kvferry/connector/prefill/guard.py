@@ -4,7 +4,8 @@
   secret (`auth.curve_server_keys`): a peer that does not hold it fails libzmq's handshake, in libzmq's
   I/O thread, before any frame of it reaches Python (and what does pass is encrypted on the wire).
 - **How long a connection may idle.** libzmq closes one that has not finished its handshake after
-  `HANDSHAKE_S`, and one that answers no ZMTP PING for `ZMTP_TIMEOUT_S` (no GIL involved).
+  `HANDSHAKE_S`, and one that answers no ZMTP PING for `ZMTP_TIMEOUT_S` (no GIL involved). A D starved
+  that long dials again with its fixed routing id and takes it over (`ROUTER_HANDOVER`).
 - **How many.** libzmq has no connection cap on a ROUTER, so `Connections` counts them from the
   socket's monitor (accepted / disconnected carry the fd) and closes the oldest *unproven* one (no
   message came through it yet: with the secret, only a peer past CurveZMQ's handshake sends one) beyond
@@ -53,6 +54,9 @@ def configure_router(sock: zmq.Socket[Any], secret: bytes | None) -> None:
     sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(ZMTP_PING_S * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(ZMTP_TIMEOUT_S * 1000))
+    # A D DEALER that dials again (its connection dropped) keeps its fixed routing id: its new connection
+    # takes that id over, so our replies reach it (with the secret only after CurveZMQ's handshake).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if secret:
         _, secret_key = curve_server_keys(secret)
         sock.curve_server = True

@@ -302,7 +302,13 @@ class RankLoop(threading.Thread):
             self.reply(identity, _response(pull, Status.ERROR, cause="prompt_mismatch", err_msg=v.why))
         elif v.kind == "released":
             self.reply(identity, _response(pull, Status.FINISH))
+        elif v.kind == "answered":  # D sent it again: the answer may have gone with a dropped connection
+            assert v.answer is not None
+            self.reply(identity, v.answer)
+        elif v.kind == "writing":  # the same pull again: its write is in flight, and will answer it
+            self.reply(identity, _response(pull, Status.CONTINUE))
         elif v.kind == "park":
+            self._parked = [p for p in self._parked if not _same_pull(p.pull, pull)]
             self._parked.append(Parked(identity, pull, now + self.shared.abort_timeout_s))
         elif v.kind == "write":
             assert v.write is not None
@@ -348,6 +354,11 @@ class RankLoop(threading.Thread):
             self.shared.table.give_up(pull.transfer_id)
         else:
             self._parked.append(item)
+
+
+def _same_pull(a: PullRequest, b: PullRequest) -> bool:
+    return (a.transfer_id, a.d_request_id, a.d_tp_rank, a.grant_token) == (
+        b.transfer_id, b.d_request_id, b.d_tp_rank, b.grant_token)
 
 
 def _normal_addr(addr: str) -> str | None:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvferry.connector.messages import FirstToken, PullRequest
+from kvferry.connector.messages import FirstToken, PullRequest, PullResponse
 from kvferry.connector.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 NOT_READY_MSG = "Timeout waiting for P side ready."
 MAX_PLACEHOLDERS = 100_000  # transfers we track before their prefill is done (pull-before-ready)
 MAX_RECENT = 20_000  # ended transfer ids remembered, so a late pull gets `expired` at once
+# Final answers of writes remembered, so a pull D sends again after its connection dropped (the answer
+# went with it) gets the same one; an evicted one gets `expired` (a failure, never a silent loss).
+MAX_ANSWERS = 4096
+AnswerKey = tuple[str, int, int, str]  # (transfer_id, P rank, D rank, D's grant token)
 
 
 @dataclass(eq=False)
@@ -43,13 +47,15 @@ class Write:
 @dataclass(frozen=True)
 class Verdict:
     """`begin_pull`'s answer: ended (why), full, released, drop, dead, park, short, refused (another
-    live pull), mismatch (not the prompt P computed), or write."""
+    live pull), mismatch (not the prompt P computed), write, or for the same pull again: writing (its
+    write is in flight) or answered (`answer`: what its write answered)."""
 
     kind: str
     why: str = ""
     write: Write | None = None
     blocks: list[int] = field(default_factory=list)
     first_token: FirstToken | None = None  # what P sampled after the prompt, for D (with the write)
+    answer: PullResponse | None = None
 
 
 @dataclass
@@ -85,6 +91,7 @@ class TransferTable:
         self.lock = threading.Lock()
         self._transfers: dict[str, Transfer] = {}
         self._recent: OrderedDict[str, str] = OrderedDict()  # ended transfer id → why
+        self._answers: OrderedDict[AnswerKey, PullResponse] = OrderedDict()  # an LRU of MAX_ANSWERS
         self._finished: set[str] = set()
         # Called (under the lock) whenever a request joins `_finished`: the engine thread wakes for it.
         self.waker: Callable[[], None] = _nothing
@@ -229,6 +236,9 @@ class TransferTable:
         """What to do with a pull (`park`: wait even if ready; `drop`: never answer — injected faults).
         A "write" verdict holds a `Write`: the blocks stay until its `write_done`."""
         with self.lock:
+            answer = self._answers.get((pull.transfer_id, p_rank, pull.d_tp_rank, pull.grant_token))
+            if answer is not None and answer.d_request_id == pull.d_request_id:
+                return Verdict("answered", answer=answer)  # D asks again: its answer went with a connection
             t = self._transfers.get(pull.transfer_id)
             if t is None and pull.transfer_id in self._recent:
                 return Verdict("ended", self._recent[pull.transfer_id])
@@ -242,9 +252,11 @@ class TransferTable:
                 return Verdict("released")
             if t.d_tp is not None and t.d_tp != pull.d_tp_size:
                 return Verdict("refused", f"transfer is pulled with D tp_size {t.d_tp}, not {pull.d_tp_size}")
-            if any(w.p_rank == p_rank and w.d_rank == pull.d_tp_rank for w in t.writes) or (
-                (p_rank, pull.d_tp_rank) in t.served
-            ):
+            live = [w for w in t.writes if w.p_rank == p_rank and w.d_rank == pull.d_tp_rank]
+            if live and pull.grant_token and all(w.token == pull.grant_token for w in live):
+                self.lease(t, now, pull.lease_s)
+                return Verdict("writing")  # the same pull again: its write goes on, and answers it
+            if live or (p_rank, pull.d_tp_rank) in t.served:
                 return Verdict("refused", "another pull for this transfer and D rank is live or done")
             self.lease(t, now, pull.lease_s)
             if drop:
@@ -283,11 +295,16 @@ class TransferTable:
                 return "settled"
             return "working" if t.working else "waiting"
 
-    def write_done(self, w: Write, failed: bool) -> None:
+    def write_done(self, w: Write, failed: bool, answer: PullResponse | None = None) -> None:
+        """The write returned; `answer` (what P tells D) is remembered for the same pull sent again."""
         with self.lock:
             t = self._transfers.get(w.transfer_id)
             if t is None or w not in t.writes:
                 return  # a completion we already counted
+            if answer is not None:
+                self._answers[(w.transfer_id, w.p_rank, w.d_rank, w.token)] = answer
+                while len(self._answers) > MAX_ANSWERS:
+                    self._answers.popitem(last=False)
             t.writes.discard(w)
             if failed:
                 self.doom(t, "failed")  # D fails the request; nobody will pull this transfer again

@@ -79,8 +79,8 @@ class RankWriter:
               fault: str | None, first_token: FirstToken | None = None) -> None:
         """Runs on the peer's send thread: checksums, the data-plane write, then the reply."""
         if not self.shared.table.write_wanted(w):
-            self.shared.table.write_done(w, failed=True)
-            reply(identity, response(pull, Status.ERROR, cause="expired", err_msg="lease lost before the write started"))
+            self._done(reply, identity, w, response(pull, Status.ERROR, cause="expired",
+                                                    err_msg="lease lost before the write started"))
             return
         started = time.monotonic()
         deadline = started + self.shared.abort_timeout_s
@@ -99,23 +99,26 @@ class RankWriter:
                 flip = WriteOp(SCRATCH_REGION, 0, mid.dst_region, mid.dst_offset + mid.length // 2, 8)
                 self.engine.write(pull.d_transfer_addr, pull.grant_token, [flip], deadline)
         except TransferError as exc:
-            self.shared.table.write_done(w, failed=True)
-            reply(identity, response(pull, Status.ERROR, err_msg=f"transport: {exc}", checksums=checksums,
-                                     cause="transport", injected=fault == "transport"))
+            self._done(reply, identity, w, response(pull, Status.ERROR, err_msg=f"transport: {exc}", checksums=checksums,
+                                                    cause="transport", injected=fault == "transport"))
             return
         except Exception as exc:  # never let a send thread die silently
             log.exception("serving pull %s failed", pull.transfer_id)
             self.shared.metrics.producer_errors.inc()
-            self.shared.table.write_done(w, failed=True)
-            reply(identity, response(pull, Status.ERROR, err_msg=f"P internal error: {exc!r}"))
+            self._done(reply, identity, w, response(pull, Status.ERROR, err_msg=f"P internal error: {exc!r}"))
             return
         nbytes = sum(op.length for op in ops)
         self.shared.metrics.kv_transfers.inc()
         self.shared.metrics.kv_transfer_bytes.inc(nbytes)
         self.shared.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
-        self.shared.table.write_done(w, failed=False)
-        reply(identity, response(pull, Status.FINISH, ok_reqs=[pull.d_request_id], checksums=checksums,
-                                 bytes_written=nbytes, first_token=first_token))
+        self._done(reply, identity, w, response(pull, Status.FINISH, ok_reqs=[pull.d_request_id], checksums=checksums,
+                                                bytes_written=nbytes, first_token=first_token))
+
+    def _done(self, reply: Reply, identity: bytes, w: Write, answer: PullResponse) -> None:
+        """The write returned: the table remembers its answer (for the same pull sent again after D's
+        connection dropped, when this reply may be lost), then D is told."""
+        self.shared.table.write_done(w, failed=answer.status != Status.FINISH, answer=answer)
+        reply(identity, answer)
 
     def _slow(self, w: Write, seconds: float) -> None:
         """The injected `slow` fault: a write that takes `seconds`, cancelled like a real one when
