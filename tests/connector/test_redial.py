@@ -162,3 +162,35 @@ def test_p_answers_a_repeated_pull_as_it_did_the_first() -> None:
     again = table.begin_pull(pull, 0, 2.0)
     assert again.kind == "answered" and again.answer == finish
     assert table.begin_pull(other, 0, 2.0).kind == "ended"
+
+
+def test_a_p_rank_gone_before_d_ever_connected_fails_the_pull_at_once() -> None:
+    """P's bootstrap server still names a rank whose process is gone (its worker died; the engine and
+    its bootstrap server live on): D's first dial is refused, so the pull fails `peer_dead` at once,
+    not at the receive timeout (abort timeout + 5 s) as before."""
+    secret = HARNESS_SECRET.encode()
+    server = BootstrapServer("127.0.0.1", free_port(), secret=secret)
+    server.start()
+    engine = TcpTransferEngine(secret=secret)
+    producer = Producer(PagedKVLayout(SPEC, np.ones(SPEC.shape, dtype=np.float32)), [engine], "127.0.0.1", 30.0,
+                        FaultSpec(), Metrics(), secret)
+    server.register(Registration("p", 1, 0, producer.control_addrs[0], producer.boot_ids[0]))
+    producer.close()  # the rank is gone; its registration stays
+    engine.close()
+    d_engine = TcpTransferEngine(secret=secret)
+    consumer = Consumer(PagedKVLayout(SPEC, np.zeros(SPEC.shape, dtype=np.float32)), [d_engine],
+                        ConsumerConfig(recv_timeout_s=30, kv_load_deadline_s=60, secret=secret), Metrics(),
+                        BootstrapClient(secret=secret))
+    causes: dict[str, tuple[str, str]] = {}
+    finished: set[str] = set()
+    try:
+        started = time.monotonic()
+        consumer.start_pulls([PullSpec("d0", "x0", D_BLOCKS, "p", f"127.0.0.1:{server.port}", 16)])
+        wait_until(lambda: ended(consumer, causes, finished, "d0"), 40, "the pull to end")
+        took = time.monotonic() - started
+        assert causes["d0"][0] == "peer_dead" and "refused" in causes["d0"][1], causes
+        assert took <= 1.0, f"the pull on a gone P rank ended after {took:.2f}s"
+    finally:
+        consumer.close()
+        d_engine.close()
+        server.stop()

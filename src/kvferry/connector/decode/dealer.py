@@ -16,7 +16,8 @@ A dead P is noticed three ways:
   in flight: CONTINUE; done: its remembered answer). Until P answers after the re-dial the bound still
   holds: a *new* P process at the same address refuses what we seal and so is dead by it. A connection
   that closes inside its handshake proves nothing (libzmq dials again; a P that never completes one is
-  dead by the ceiling);
+  dead by the ceiling). A *first* dial refused is a gone P rank too (P's bootstrap server still names a
+  rank whose process died: ranks bind before they register): dead at once, not at the receive timeout;
 - silence of P's Python (the request does not progress): a heartbeat left unanswered past its bound.
   With the ZMTP heartbeat that bound is the ceiling (`--heartbeat-ceiling`); without it (a ceiling at
   or below the timeout: fixed thresholds) it is what P's recent ack round trips allow. Silence counts
@@ -127,6 +128,7 @@ class Dealer:
         # When an established connection closed, until P answers after libzmq's re-dial (None: unbroken).
         self.dropped: float | None = None
         self._handshook = self.last_seen  # the last completed ZMTP handshake: P's process answered then
+        self._ever_connected = False  # a first dial refused is a gone P rank, as a refused re-dial is
         self._at_least = 0.0  # the least bound our own loop's lag allows (from the last heartbeat tick)
         # P judged dead after its connection closed (the re-dial refused, or nothing by the bound): this
         # DEALER takes no new pull (`Dealers.for_pull`) and its cached bootstrap answer is asked again.
@@ -256,7 +258,7 @@ class Dealer:
             event = parse_monitor_message(await monitor.recv_multipart())
             now = asyncio.get_running_loop().time()
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected, self._handshook = True, now
+                self.connected, self._handshook, self._ever_connected = True, now, True
                 self._pings.clear()  # their acks went with the old connection (or the old process)
                 if self.dropped is not None and not self.lost:
                     log.info("connection to P at %s re-established; its pulls are sent again", self.addr)
@@ -274,6 +276,10 @@ class Dealer:
             elif event["event"] == zmq.EVENT_CLOSED and self.dropped is not None and not self.connected:
                 # A dial that failed outright (refused: nothing listens at P's port any more).
                 self._lose(f"connection to P at {self.addr} closed and the re-dial refused: P is gone")
+            elif event["event"] == zmq.EVENT_CLOSED and not self._ever_connected:
+                # The first dial refused: P's bootstrap server named a rank whose process is gone (a rank
+                # binds its port before it registers). Not a wait for the receive timeout.
+                self._lose(f"dial to P at {self.addr} refused: P's rank is gone")
 
     def retire(self, reason: str) -> None:
         """Fail what waits on this DEALER (`reason`) and close it."""
