@@ -185,11 +185,11 @@ class Opener:
         return session, payload
 
 
-def remember(store: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
-    """`store[key] = value` in an LRU of at most MAX_SESSIONS entries (the oldest go first)."""
+def remember(store: OrderedDict[Any, Any], key: Any, value: Any, cap: int = MAX_SESSIONS) -> None:
+    """`store[key] = value` in an LRU of at most `cap` entries (the oldest go first)."""
     store[key] = value
     store.move_to_end(key)
-    while len(store) > MAX_SESSIONS:
+    while len(store) > cap:
         store.popitem(last=False)
 
 

@@ -273,13 +273,13 @@ class Dealer:
                 # Closed inside its handshake (P's or our limit ran out): proves nothing about P, and
                 # the silence clock keeps running across the attempts.
                 log.info("handshake with P at %s did not complete in time; dialing again", self.addr)
-            elif event["event"] == zmq.EVENT_CLOSED and self.dropped is not None and not self.connected:
-                # A dial that failed outright (refused: nothing listens at P's port any more).
-                self._lose(f"connection to P at {self.addr} closed and the re-dial refused: P is gone")
-            elif event["event"] == zmq.EVENT_CLOSED and not self._ever_connected:
-                # The first dial refused: P's bootstrap server named a rank whose process is gone (a rank
-                # binds its port before it registers). Not a wait for the receive timeout.
-                self._lose(f"dial to P at {self.addr} refused: P's rank is gone")
+            elif event["event"] == zmq.EVENT_CLOSED and not self.connected and (
+                    self.dropped is not None or not self._ever_connected):
+                # A dial that failed outright (refused: nothing listens at P's port any more), after a
+                # dropped connection or as the first one (P's bootstrap server named a rank whose process
+                # is gone: ranks bind before they register); not a wait for the receive timeout.
+                self._lose(f"connection to P at {self.addr} closed and the re-dial refused: P is gone"
+                           if self.dropped is not None else f"dial to P at {self.addr} refused: P's rank is gone")
 
     def retire(self, reason: str) -> None:
         """Fail what waits on this DEALER (`reason`) and close it."""

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvferry.connector.auth import remember
 from kvferry.connector.messages import FirstToken, PullRequest, PullResponse
 from kvferry.connector.metrics import Metrics
 
@@ -302,9 +303,7 @@ class TransferTable:
             if t is None or w not in t.writes:
                 return  # a completion we already counted
             if answer is not None:
-                self._answers[(w.transfer_id, w.p_rank, w.d_rank, w.token)] = answer
-                while len(self._answers) > MAX_ANSWERS:
-                    self._answers.popitem(last=False)
+                remember(self._answers, (w.transfer_id, w.p_rank, w.d_rank, w.token), answer, MAX_ANSWERS)
             t.writes.discard(w)
             if failed:
                 self.doom(t, "failed")  # D fails the request; nobody will pull this transfer again
