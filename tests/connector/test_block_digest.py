@@ -34,7 +34,7 @@ def _judge(layout: PagedKVLayout, key: bytes | None, digests: list[int]) -> list
         task.written = [r for b in BLOCKS for r in layout.block_runs(b, HEADS)]  # all landed
         spec = PullSpec("r", "xfer-1", BLOCKS, "p", "127.0.0.1:1", len(BLOCKS) * SPEC.block_size)
         pull = PullMeta(spec, time.monotonic(), time.monotonic() + 10, [task])
-        return Landed(Outbox(), layout, {0: engine}).bad_blocks(pull, pull.tasks)
+        return Landed(Outbox(), layout, {0: engine}, checksums=True).bad_blocks(pull, pull.tasks)
 
 
 def test_keyed_digests_pass_and_unkeyed_ones_are_refused() -> None:

@@ -210,6 +210,33 @@ def test_corrupted_block_fails_checksum_and_only_that_block(rig: Rig) -> None:
     assert rig.causes["r"][0] == "checksum" and rig.invalid == {D_BLOCKS[1]}
 
 
+def test_bytes_without_p_checksums_count_for_nothing() -> None:
+    """P wrote every block and died (or never answered) before its checksums came: the bytes are
+    unverified, so no block counts as loaded. Before, a block whose bytes all landed counted, and D
+    decoded from a block P's own engine had written wrong (#30's lifecycle machine: the `corrupt` fault,
+    then P killed before its answer, and both D ranks sampled with wrong KV, no load failure)."""
+    with make_rig(recv_timeout_s=0.3) as rig:
+        rig.pull("r", D_BLOCKS)
+        p = rig.ranks[0]
+        _, pull = p.recv_pull()
+        p.write(pull, P_BLOCKS)
+        p.write(pull, [P_BLOCKS[0]] * len(P_BLOCKS))  # wrong bytes over every block, by P's own engine
+        rig.wait_finished("r")  # and P never answers
+        assert rig.causes["r"][0] == "recv_timeout" and rig.invalid == set(D_BLOCKS)
+
+
+def test_without_checksums_asked_the_landed_bytes_count() -> None:
+    """`checksums: false` is the operator's choice: coverage alone judges the blocks then."""
+    with make_rig(recv_timeout_s=0.3, checksums=False) as rig:
+        rig.pull("r", D_BLOCKS)
+        p = rig.ranks[0]
+        _, pull = p.recv_pull()
+        assert not pull.want_checksums
+        p.write(pull, P_BLOCKS, upto=2)
+        rig.wait_finished("r")
+        assert rig.causes["r"][0] == "recv_timeout" and rig.invalid == set(D_BLOCKS[2:])
+
+
 def test_receive_timeout() -> None:
     with make_rig(recv_timeout_s=0.3) as rig:
         rig.pull("r", D_BLOCKS)

@@ -74,7 +74,7 @@ TRANSFER_ARGS: dict[str, Any] = dict(
 TRANSFER = st.fixed_dictionaries(TRANSFER_ARGS)
 # What a loaded box alone can make of any transfer: a bootstrap answer later than the client's 2 s, a P
 # that answers later than D's receive timeout or heartbeat bound, a lease or "not ready" wait run out.
-TIMING_CAUSES = {"bootstrap", "recv_timeout", "peer_dead", "expired", "err_reqs"}
+TIMING_CAUSES = {"bootstrap", "recv_timeout", "peer_dead", "expired", "err_reqs", "deadline"}
 
 
 def ids_by_fault(per: int = 40) -> dict[str | None, list[str]]:

@@ -82,7 +82,7 @@ class Consumer:
             for name, buffer in layout.regions().items():
                 engine.register(name, buffer)
         self.outbox = Outbox()
-        self._landed = Landed(self.outbox, layout, self.engines)
+        self._landed = Landed(self.outbox, layout, self.engines, config.checksums)
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers = Dealers(self._new_dealer)
         self._ctx = zmq.asyncio.Context()
@@ -365,9 +365,14 @@ class Consumer:
                       c.secret, self.metrics.control_auth_failures.labels(side="decode").inc,
                       DelayEstimator(c.heartbeat_timeout_s, c.heartbeat_ceiling_s), c.heartbeat_interval_s)
 
-    def _on_peer_dead(self, request_ids: list[str], reason: str) -> None:
+    def _on_peer_dead(self, request_ids: list[str], cause: str, reason: str) -> None:
         pulls = [self._pulls[r] for r in request_ids if r in self._pulls]
-        self._handle_failed_recv(pulls, "peer_dead", reason)
+        if cause != "deadline":
+            self._handle_failed_recv(pulls, cause, reason)
+            return
+        now = self.loop.time()  # a live P that does not progress: each pull names where it stalled
+        for pull in pulls:
+            self._handle_failed_recv([pull], cause, f"{reason} ({stall_stage(pull, self._dealers, now)})")
 
     async def _sweep_dealers(self) -> None:
         """Close DEALERs no pull waits on (`Dealers.sweep`)."""

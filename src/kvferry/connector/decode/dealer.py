@@ -19,10 +19,13 @@ A dead P is noticed three ways:
   dead by the ceiling). A *first* dial refused is a gone P rank too (P's bootstrap server still names a
   rank whose process died: ranks bind before they register): dead at once, not at the receive timeout;
 - silence of P's Python (the request does not progress): a heartbeat left unanswered past its bound.
-  With the ZMTP heartbeat that bound is the ceiling (`--heartbeat-ceiling`); without it (a ceiling at
-  or below the timeout: fixed thresholds) it is what P's recent ack round trips allow. Silence counts
-  from the oldest heartbeat P has not answered, never from P's last answer: when D's own loop lags and
-  sends nothing, P is not silent.
+  With the ZMTP heartbeat that bound is the ceiling (`--heartbeat-ceiling`), and while the connection
+  lives P's process is known alive (its I/O thread answers libzmq's pings): the waiting pulls fail as
+  `deadline` (no progress), not `peer_dead`: a GIL- or CPU-starved P is never called dead (issue 32.6).
+  Without it (a ceiling at or below the timeout: fixed thresholds) the bound is what P's recent ack
+  round trips allow, and silence is all we know: `peer_dead`. Silence counts from the oldest heartbeat
+  P has not answered, never from P's last answer: when D's own loop lags and sends nothing, P is not
+  silent.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ log = logging.getLogger(__name__)
 WaiterKey = tuple[str, str]  # (transfer_id, d_request_id)
 # Heartbeats awaiting an ack: a verdict comes long before this many at any sane interval and ceiling.
 MAX_PINGS = 4096
-# Called with the request ids waiting on a dead P and the reason.
-OnDead = Callable[[list[str], str], None]
+# Called with the request ids waiting on a P that failed them, the cause (`peer_dead`, or `deadline`
+# for a live P that does not progress) and the reason.
+OnDead = Callable[[list[str], str, str], None]
 # libzmq dials a closed connection again after this (plus up to as much jitter), backing off to the
 # max while the dial fails: a refused re-dial (the process is gone) is seen within ~0.03 s.
 RECONNECT_MS, RECONNECT_MAX_MS = 10, 1000
@@ -183,7 +187,11 @@ class Dealer:
             self.last_seen = now  # P did answer; our reader is just behind (a busy D)
         silent = self.silent_for(now)
         if silent > limit:
-            self._dead(f"P at {self.addr} silent for {silent:.1f}s (heartbeat timeout {limit:.1f}s)")
+            if self.zmtp and self.connected and self.dropped is None:  # libzmq: P's process answers
+                self._dead(f"P at {self.addr} alive (its connection answers libzmq's pings) but its control loop "
+                           f"silent for {silent:.1f}s (progress bound {limit:.1f}s): starved or hung", "deadline")
+            else:
+                self._dead(f"P at {self.addr} silent for {silent:.1f}s (heartbeat timeout {limit:.1f}s)")
             return
         self.send_raw(encode(Heartbeat(sorted({tid for tid, _ in self.waiters}), lease_s)))
         self._pings.append(now)
@@ -210,15 +218,15 @@ class Dealer:
             if key in self._sent:
                 self.send_raw(self._sent[key])
 
-    def _dead(self, reason: str) -> None:
+    def _dead(self, reason: str, cause: str = "peer_dead") -> None:
         self._pings.clear()
         request_ids = [rid for _, rid in self.waiters]
+        if request_ids:  # before the tables below empty: the failure names each pull's stage from them
+            self.on_dead(request_ids, cause, reason)
         self.waiters.clear()
         self._sent.clear()
         self.writing_since.clear()
         self.working_seen.clear()
-        if request_ids:
-            self.on_dead(request_ids, reason)
 
     async def _read(self) -> None:
         while True:

@@ -24,8 +24,9 @@ class Landed:
     those reads land in them (issue 31.10b). Such a pull is held (its request stays waiting for remote
     KV, its blocks allocated) until its grants drained."""
 
-    def __init__(self, outbox: Outbox, layout: KVLayout, engines: dict[int, TransferEngine]) -> None:
+    def __init__(self, outbox: Outbox, layout: KVLayout, engines: dict[int, TransferEngine], checksums: bool) -> None:
         self.layout = layout
+        self.checksums = checksums  # asked for: then a block P sent no checksum for is unverified, not loaded
         self.engines = engines
         self.outbox = outbox
         self.held: dict[str, tuple[PullMeta, list[int], tuple[str, str] | None, FirstToken | None]] = {}
@@ -44,7 +45,7 @@ class Landed:
         for i in range(len(pull.block_ids)):
             for task in tasks:
                 if not self.covered(pull, task, i) or (
-                    task.checksums and not self._checksum_ok(pull, task, i)
+                    self.checksums and not self._checksum_ok(pull, task, i)
                 ):
                     bad.append(i)
                     break
