@@ -131,3 +131,26 @@ def test_each_data_parallel_rank_is_its_own_engine() -> None:
     own = KVFerrySettings.from_extra_config({}, "uuid_dp1").for_data_parallel(1, 2, 1, engine_id_given=False)
     assert own.engine_id == "uuid_dp1" and own.bootstrap_port == 8999
     assert base.for_data_parallel(0, 1, 4, engine_id_given=True) is base
+
+
+def test_bytes_p_wrote_before_dying_unanswered_are_not_loaded(make_pd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P TP 1 -> D TP 2, `fail`. P's writes land, with 8 bytes in the middle altered (the `corrupt` fault:
+    P's own engine writes them), and P dies before its answer (which would carry the checksums that catch
+    them). D must not decode from bytes nothing verified: the request fails, no token sampled. The
+    lifecycle machine found this (both D ranks sampled with wrong KV at layer 4, no load failure)."""
+    from kvferry.connector.prefill.writes import RankWriter
+
+    answered: list[str] = []
+    monkeypatch.setattr(RankWriter, "_done", lambda self, reply, identity, w, answer: answered.append(answer.transfer_id))
+    pd: PD = make_pd(d_tp=2, faults="corrupt=1.0")
+    _, params = pd.prefill(PROMPT)
+    d_req = pd.d.add(PROMPT, 3, params)
+    pd.both_until(lambda: len(answered) == 2, what="both D ranks' writes done, unanswered")
+    for worker in pd.p.workers:  # P dies before it answers
+        worker.shutdown(timeout_s=2.0)
+    pd.p_alive = False
+    out = decode_to_end(pd, d_req.request_id)
+    assert pd.d.connector.failure_causes[d_req.request_id][0] == "peer_dead"
+    assert out.finish_reason == FinishReason.ERROR and not pd.d.tokens(d_req.request_id)
+    assert pd.d.invalid, "no block of the unanswered pull may count as loaded"
+    pd.assert_empty()
