@@ -34,6 +34,17 @@ DEFAULTS_ENV = ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
 REQUESTS, IN_FLIGHT, WORDS, MAX_TOKENS = 16, 2, 200, 16
 ANSWER_TIMEOUT_S = 600.0
 _CAUSE = re.compile(r"KV load for \S+ failed \((\w+)\)")
+_DEAD = re.compile(r"KV load for \S+ failed \(peer_dead\): (.*)")
+_SECONDS = re.compile(r"(unreachable|silent) for ([\d.]+)s")
+
+
+def _dead_kinds(log: str) -> str:
+    """What each false `peer_dead` was: which bound ran out, after how long (the message's own words)."""
+    kinds = []
+    for message in _DEAD.findall(log):
+        m = _SECONDS.search(message)
+        kinds.append(f"{m[1]} {m[2]}s" if m else message[:60])
+    return ", ".join(sorted(kinds)) or "-"
 
 
 def _server(name: str, vllm: str, model: str, *args: str) -> ServerGroup:
@@ -62,11 +73,12 @@ def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str],
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(pool.map(ask, range(len(prompts))))
-    causes = Counter(_CAUSE.findall(d.log.read_text(errors="replace")[len(log_before):]))
+    log = d.log.read_text(errors="replace")[len(log_before):]
+    causes = Counter(_CAUSE.findall(log))
     outcomes = Counter(outcome for outcome, _ in results)
     seconds = [s for _, s in results]
     return {"load": name, "requests": len(prompts), "right text": outcomes.pop("right", 0),
-            "false peer_dead": causes.pop("peer_dead", 0),
+            "false peer_dead": causes.pop("peer_dead", 0), "which": _dead_kinds(log),
             "other KV-load failures": ", ".join(f"{k} {v}" for k, v in sorted(causes.items())) or "0",
             "other outcomes": ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "-",
             "latency p50 s": percentile(seconds, 50), "latency p99 s": percentile(seconds, 99)}
