@@ -3,7 +3,9 @@ at vLLM's own CPU defaults (its worker in a separate process that spin-waits, Op
 them) and kvferry's default liveness, behind `kvferry proxy` (no retries, so every failure reaches the
 client), first alone, then with N processes spinning `while True: pass` beside it: the shared node.
 
-Nothing is killed or stopped, so every `peer_dead` in D's log is a false one. Slow outcomes under the
+`KVFERRY_BENCH_CEILING=S` sets D's `heartbeat_ceiling_s` (default: kvferry's, 10 s): how much silence of
+a P with a slow history is ridden out. Nothing is killed or stopped, so every `peer_dead` in D's log is a
+false one. Slow outcomes under the
 starvation (`expired`, `deadline`) are the box's and are counted by the stage D names. Every answer is
 compared with a colocated `vllm serve` at the same settings (started and stopped first, alone).
 """
@@ -11,6 +13,7 @@ compared with a colocated `vllm serve` at the same settings (started and stopped
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -106,7 +109,9 @@ def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str,
         bootstrap = free_port()
         p = _server("prefill", str(vllm), model, "--kv-transfer-config",
                     _kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=bootstrap))
-        d = _server("decode", str(vllm), model, "--kv-transfer-config", _kv("kv_consumer"))
+        ceiling = os.environ.get("KVFERRY_BENCH_CEILING")
+        d = _server("decode", str(vllm), model, "--kv-transfer-config",
+                    _kv("kv_consumer", **({"heartbeat_ceiling_s": float(ceiling)} if ceiling else {})))
         proxy_port = free_port()
         proxy = ServerGroup("proxy", [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
                                       "--port", str(proxy_port)], proxy_port)
@@ -124,6 +129,7 @@ def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str,
                 hog.wait()
             for group in (proxy, d, p):
                 group.stop()
-    report(f"kvferry bench vllm --hogs {hogs}: real vllm serve P/D at vLLM's CPU defaults, kvferry's default "
-           "liveness, no retries; nothing killed, so every peer_dead is false", rows, json_path)
+    liveness = f"heartbeat_ceiling_s {ceiling}" if ceiling else "kvferry's default liveness"
+    report(f"kvferry bench vllm --hogs {hogs}: real vllm serve P/D at vLLM's CPU defaults, {liveness}, "
+           "no retries; nothing killed, so every peer_dead is false", rows, json_path)
     return rows
