@@ -148,9 +148,9 @@ class DealerMachine(RuleBasedStateMachine):
             assert cause[0] in pull.allowed, f"{rid} ended {cause}, allowed {pull.allowed}; steps: {self.log}"
             if cause[0] is None:
                 assert np.array_equal(self.kv[pull.group], P_KV[P_BLOCKS]), f"{rid}: D's blocks are not P's bytes"
-            elif cause[0] == "bootstrap" and pull.p_gen == self.p_gen:
-                self.unreached += 1
-                if pull.parked:  # P's prefill ends whether or not D comes (as in vLLM)
+            if pull.p_gen == self.p_gen:
+                self.unreached += cause[0] == "bootstrap"
+                if pull.parked:  # P's prefill ends whether or not D still waits (as in vLLM)
                     self.make_ready_now(pull)
             self.free.append(GROUPS.index(pull.group))
             self.log.append(f"ended {rid} {cause[0] or 'ok'}")
