@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 import hypothesis.strategies as st
 import numpy as np
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from starved_p import P_BLOCKS, SPEC
 from test_starved_p import INTERVAL, TIMEOUT, StarvedP
 

@@ -366,13 +366,10 @@ class Consumer:
                       DelayEstimator(c.heartbeat_timeout_s, c.heartbeat_ceiling_s), c.heartbeat_interval_s)
 
     def _on_peer_dead(self, request_ids: list[str], cause: str, reason: str) -> None:
-        pulls = [self._pulls[r] for r in request_ids if r in self._pulls]
-        if cause != "deadline":
-            self._handle_failed_recv(pulls, cause, reason)
-            return
-        now = self.loop.time()  # a live P that does not progress: each pull names where it stalled
-        for pull in pulls:
-            self._handle_failed_recv([pull], cause, f"{reason} ({stall_stage(pull, self._dealers, now)})")
+        """P is gone (`peer_dead`), or alive but not progressing (`deadline`: each pull names its stage)."""
+        for pull in [self._pulls[r] for r in request_ids if r in self._pulls]:
+            stage = f" ({stall_stage(pull, self._dealers, self.loop.time())})" if cause == "deadline" else ""
+            self._handle_failed_recv([pull], cause, reason + stage)
 
     async def _sweep_dealers(self) -> None:
         """Close DEALERs no pull waits on (`Dealers.sweep`)."""
