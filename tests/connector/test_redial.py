@@ -65,6 +65,36 @@ def test_a_p_stopped_past_the_zmtp_timeout_within_the_bound_its_slow_acks_allow_
         wait_until(lambda: p.ask("held") == "ok 0", 10, "P to free the transfer")
 
 
+def test_a_drop_after_long_python_silence_is_judged_from_the_drop() -> None:
+    """P's Python silent past the bound its slow acks allow (tolerated: libzmq answered for its process),
+    then the whole process stopped just past the ZMTP timeout, so the connection drops. The connection
+    proves the process answered until a ZMTP timeout before the drop: the bound counts from there. Before,
+    it counted from P's last *Python* answer, and such a P was dead the moment its connection dropped
+    ("unreachable for 0.0s": 4 of the 5 false peer_dead of `kvferry bench vllm --hogs 6`, 2026-12-06)."""
+    with p_and_d() as (p, consumer, causes, finished):
+        p.do("working xfer-a p-a")
+        consumer.start_pulls([PullSpec("a", "xfer-a", D_BLOCKS, "starved-p", p.bootstrap, 16)])
+        wait_until(lambda: pulling(consumer), 10, "D pulling from P")
+        dealer = next(iter(consumer._dealers.values()))
+        for _ in range(2):  # slow acks, as on a loaded box
+            time.sleep(3 * INTERVAL)
+            p.do(f"starve {SLOW_ACK_S}")
+        wait_until(lambda: dealer.silence.threshold() >= 3.0, 10, "D's bound to follow the slow acks")
+        bound = dealer.silence.threshold()
+        assert p.proc.stdin is not None and p.proc.stdout is not None
+        p.proc.stdin.write(f"starve {bound + 2.5}\n")  # P's Python silent past the bound...
+        p.proc.stdin.flush()
+        time.sleep(bound + 0.5)
+        os.kill(p.proc.pid, signal.SIGSTOP)  # ...then the whole process, until its connection drops
+        wait_until(lambda: not dealer.connected, 5, "libzmq to drop the connection of the stopped P", interval=0.002)
+        os.kill(p.proc.pid, signal.SIGCONT)
+        assert p.proc.stdout.readline().strip() == "ok"  # the starve ended
+        p.do("ready xfer-a p-a")
+        wait_until(lambda: ended(consumer, causes, finished, "a"), 20, "the pull to end")
+        assert causes == {}, f"D gave up on a P whose process lived until its connection dropped: {causes}"
+        assert consumer.pending_pulls == 0 and dealer.connected and dealer.dropped is None
+
+
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "kill-9"])
 def test_a_stopped_or_killed_p_on_an_idle_history_is_dead_as_fast_as_before(sig: signal.Signals) -> None:
     """Stopped: dead as its connection drops (the bound, 0.5 s, has run out by then). Killed: the

@@ -8,8 +8,9 @@ A dead P is noticed three ways:
   meets: refused (the port is closed: the process is gone, a kill -9 is seen in ~10 ms) → dead at once;
   a completed ZMTP handshake (P's I/O thread answers: alive, not stopped) → the pulls go on; neither by
   the bound → dead. The bound is what P's recent ack round trips allow (`liveness.DelayEstimator`,
-  floor `--heartbeat-timeout`), counted from the last time P was heard: on an idle box a SIGSTOP'd P is
-  dead as its connection drops, while after slow acks (a loaded box, a whole process starved of the
+  floor `--heartbeat-timeout`), counted from the last sign of P: its last answer, or a ZMTP timeout
+  before the drop (libzmq's pings were answered until then, however long P's Python had been silent):
+  on an idle box a SIGSTOP'd P is dead as its connection drops, while after slow acks (a loaded box, a whole process starved of the
   CPU so that its I/O thread missed the ZMTP timeout) a longer gap is ridden out. Across the re-dial
   nothing is lost: the DEALER's routing id is fixed (P's ROUTER hands it over to the new connection),
   and D sends every pull it still waits on again; P answers a repeated pull idempotently (the write
@@ -113,6 +114,9 @@ class Dealer:
         # Process liveness is libzmq's, so our Python silence may wait for the ceiling (adaptive only).
         zmtp = watch_connection and ping_s > 0
         self.zmtp = zmtp and self.silence.adaptive
+        # With libzmq's pings, an established connection proves P's process answered until at most this
+        # long before it dropped (its heartbeat timeout).
+        self._zmtp_timeout_s = self.silence.floor if zmtp else None
         if zmtp:
             ping_ms, timeout_ms = max(1, int(ping_s * 1000)), max(1, int(self.silence.floor * 1000))
             self.sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
@@ -203,6 +207,8 @@ class Dealer:
             return
         limit = max(self.silence.threshold(), self._at_least)
         heard = max(self.last_seen, self._handshook, self.waiting_since or self.last_seen)
+        if self._zmtp_timeout_s is not None:  # the process lived until about a ZMTP timeout before the drop
+            heard = max(heard, self.dropped - self._zmtp_timeout_s)
         if now - heard > limit:
             self._lose(f"P at {self.addr} unreachable for {now - self.dropped:.1f}s after its connection dropped "
                        f"(last heard {now - heard:.1f}s ago, bound {limit:.1f}s)")
