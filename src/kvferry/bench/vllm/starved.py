@@ -38,6 +38,7 @@ REQUESTS, IN_FLIGHT, WORDS, MAX_TOKENS = 16, 2, 200, 16
 ANSWER_TIMEOUT_S = 600.0
 _CAUSE = re.compile(r"KV load for \S+ failed \((\w+)\)")
 _DEAD = re.compile(r"KV load for \S+ failed \(peer_dead\): (.*)")
+_DEADLINE = re.compile(r"KV load for \S+ failed \(deadline\): (.*)")
 _SECONDS = re.compile(r"(unreachable|silent) for ([\d.]+)s")
 
 
@@ -48,6 +49,13 @@ def _dead_kinds(log: str) -> str:
         m = _SECONDS.search(message)
         kinds.append(f"{m[1]} {m[2]}s" if m else message[:60])
     return ", ".join(sorted(kinds)) or "-"
+
+
+def _deadline_kinds(log: str) -> str:
+    """`deadline`s split: P alive but its control loop silent past the ceiling, or D's whole-load deadline."""
+    kinds = Counter("P alive, silent" if "alive (its connection answers" in m else "load deadline"
+                    for m in _DEADLINE.findall(log))
+    return ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-"
 
 
 def _server(name: str, vllm: str, model: str, *args: str) -> ServerGroup:
@@ -81,7 +89,7 @@ def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str],
     outcomes = Counter(outcome for outcome, _ in results)
     seconds = [s for _, s in results]
     return {"load": name, "requests": len(prompts), "right text": outcomes.pop("right", 0),
-            "false peer_dead": causes.pop("peer_dead", 0), "which": _dead_kinds(log),
+            "false peer_dead": causes.pop("peer_dead", 0), "which": _dead_kinds(log), "deadlines": _deadline_kinds(log),
             "other KV-load failures": ", ".join(f"{k} {v}" for k, v in sorted(causes.items())) or "0",
             "other outcomes": ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "-",
             "latency p50 s": percentile(seconds, 50), "latency p99 s": percentile(seconds, 99)}
