@@ -5,9 +5,9 @@ client), first alone, then with N processes spinning `while True: pass` beside i
 
 `KVFERRY_BENCH_CEILING=S` sets D's `heartbeat_ceiling_s` (default: kvferry's, 10 s): how much silence of
 a P with a slow history is ridden out. Nothing is killed or stopped, so every `peer_dead` in D's log is a
-false one. Slow outcomes under the
-starvation (`expired`, `deadline`) are the box's and are counted by the stage D names. Every answer is
-compared with a colocated `vllm serve` at the same settings (started and stopped first, alone).
+false one. Slow outcomes under the starvation (`expired`, `deadline`) are the box's and are counted by the
+stage D names. Every answer is compared with a colocated `vllm serve` at the same settings (started and
+stopped first, alone).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ A dead P is noticed three ways:
   the bound → dead. The bound is what P's recent ack round trips allow (`liveness.DelayEstimator`,
   floor `--heartbeat-timeout`), counted from the last sign of P: its last answer, or a ZMTP timeout
   before the drop (libzmq's pings were answered until then, however long P's Python had been silent):
-  on an idle box a SIGSTOP'd P is dead as its connection drops, while after slow acks (a loaded box, a whole process starved of the
-  CPU so that its I/O thread missed the ZMTP timeout) a longer gap is ridden out. Across the re-dial
+  on an idle box a SIGSTOP'd P is dead as its connection drops, while after slow acks (a loaded box, a
+  whole process starved of the CPU so that its I/O thread missed the ZMTP timeout) a longer gap is
+  ridden out. Across the re-dial
   nothing is lost: the DEALER's routing id is fixed (P's ROUTER hands it over to the new connection),
   and D sends every pull it still waits on again; P answers a repeated pull idempotently (the write
   in flight: CONTINUE; done: its remembered answer). Until P answers after the re-dial the bound still
