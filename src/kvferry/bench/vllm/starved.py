@@ -29,6 +29,7 @@ import httpx
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
 from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, serve_venv
+from kvferry.connector.decode.dealer import ALIVE_BUT_SILENT
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
 
@@ -53,7 +54,7 @@ def _dead_kinds(log: str) -> str:
 
 def _deadline_kinds(log: str) -> str:
     """`deadline`s split: P alive but its control loop silent past the ceiling, or D's whole-load deadline."""
-    kinds = Counter("P alive, silent" if "alive (its connection answers" in m else "load deadline"
+    kinds = Counter("P alive, silent" if ALIVE_BUT_SILENT in m else "load deadline"
                     for m in _DEADLINE.findall(log))
     return ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-"
 

@@ -12,9 +12,8 @@ A dead P is noticed three ways:
   before the drop (libzmq's pings were answered until then, however long P's Python had been silent):
   on an idle box a SIGSTOP'd P is dead as its connection drops, while after slow acks (a loaded box, a
   whole process starved of the CPU so that its I/O thread missed the ZMTP timeout) a longer gap is
-  ridden out. Across the re-dial
-  nothing is lost: the DEALER's routing id is fixed (P's ROUTER hands it over to the new connection),
-  and D sends every pull it still waits on again; P answers a repeated pull idempotently (the write
+  ridden out. Across the re-dial nothing is lost: the DEALER's routing id is fixed (P's ROUTER hands it
+  over to the new connection), and D sends every pull it still waits on again; P answers a repeated pull idempotently (the write
   in flight: CONTINUE; done: its remembered answer). Until P answers after the re-dial the bound still
   holds: a *new* P process at the same address refuses what we seal and so is dead by it. A connection
   that closes inside its handshake proves nothing (libzmq dials again; a P that never completes one is
@@ -72,6 +71,8 @@ MAX_PINGS = 4096
 # Called with the request ids waiting on a P that failed them, the cause (`peer_dead`, or `deadline`
 # for a live P that does not progress) and the reason.
 OnDead = Callable[[list[str], str, str], None]
+# How a `deadline` for a live P that does not progress begins its reason (after "P at ADDR").
+ALIVE_BUT_SILENT = "alive (its connection answers libzmq's pings) but its control loop silent"
 # libzmq dials a closed connection again after this (plus up to as much jitter), backing off to the
 # max while the dial fails: a refused re-dial (the process is gone) is seen within ~0.03 s.
 RECONNECT_MS, RECONNECT_MAX_MS = 10, 1000
@@ -193,8 +194,8 @@ class Dealer:
         silent = self.silent_for(now)
         if silent > limit:
             if self.zmtp and self.connected and self.dropped is None:  # libzmq: P's process answers
-                self._dead(f"P at {self.addr} alive (its connection answers libzmq's pings) but its control loop "
-                           f"silent for {silent:.1f}s (progress bound {limit:.1f}s): starved or hung", "deadline")
+                self._dead(f"P at {self.addr} {ALIVE_BUT_SILENT} for {silent:.1f}s (progress bound {limit:.1f}s): "
+                           "starved or hung", "deadline")
             else:
                 self._dead(f"P at {self.addr} silent for {silent:.1f}s (heartbeat timeout {limit:.1f}s)")
             return
