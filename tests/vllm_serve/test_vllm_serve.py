@@ -134,13 +134,22 @@ def test_b_p_never_ready_fails_fast_and_frees_everything(cluster: Any) -> None:
     wait_until(lambda: cluster.d.metrics().get(key) == before[key] + 1, 10, f"{key} on D's /metrics")
 
 
+# The killed P's writes are held this long (FAULTS' 1.5 s once let a loaded CI box poll D's metrics past the
+# write's end in the TP lane); the kill ends P, so no test waits it out.
+KILL_SLOW_S = 8.0
+KILL_FAULTS = f"{FAULTS.rsplit(',slow=', 1)[0]},slow={KILL_SLOW_S * 1000:.0f}"
+
+
 def _kill_p_mid_transfer(cluster: Any, d: Any, prompt: str) -> tuple[httpx.Response, float]:
-    p = cluster.prefill(FAULTS)
-    params = prefill_on_p(p, cluster.model, prompt, transfer_id_where(None))
+    p = cluster.prefill(KILL_FAULTS)
+    params = prefill_on_p(p, cluster.model, prompt, transfer_id_where(None, KILL_FAULTS))
+    sent = time.monotonic()
     future = in_background(lambda: (completion(d.url, cluster.model, prompt, kv_transfer_params=params),
                                     time.monotonic()))
     wait_until(lambda: d.metric("vllm:num_requests_waiting") >= 1, 30, "D to wait for the KV")
-    time.sleep(0.3)  # inside P's 1.5 s `slow` write
+    time.sleep(0.3)  # P's write has begun: the pull leaves D as the request starts waiting
+    # The write began after `sent`: a kill later than KILL_SLOW_S after it could come after the write.
+    assert time.monotonic() - sent < KILL_SLOW_S - 1, "the harness was too slow to kill inside the write"
     assert not future.done()
     p.kill9()
     killed = time.monotonic()

@@ -51,6 +51,9 @@ MAX_DIFFERING = 1
 STARVED_S = 300.0
 D_EXTRA = {"kv_load_deadline_s": STARVED_S, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 10.0,
            "heartbeat_ceiling_s": 30.0}
+# Long enough that a loaded box still kills inside it (at 1.5 s a CI run once polled D's metrics past
+# the write's end, so nothing failed); under `recompute` D waits this long on P rank 0's write.
+SLOW_WRITE_S = 8.0
 KILLED_S = 2.0  # a killed P rank's connection closes at once; D's engine step and the HTTP answer on 2 cores
 
 
@@ -194,14 +197,18 @@ def rank_pid(p: Server, rank: int) -> int:
 
 
 def kill_rank1_mid_transfer(tp: TPCluster, d: Server, prompt: str) -> tuple[httpx.Response, float]:
-    """P (restarted with every write held 1.5 s by the `slow` fault) prefills `prompt`; D pulls it; P rank
-    1's worker process alone is killed inside the write. Returns D's answer and its delay after the kill."""
-    p = tp.restart_p("slow=1500")
+    """P (restarted with every write held SLOW_WRITE_S by the `slow` fault) prefills `prompt`; D pulls it;
+    P rank 1's worker process alone is killed inside the write. Returns D's answer and its delay after the
+    kill."""
+    p = tp.restart_p(f"slow={SLOW_WRITE_S * 1000:.0f}")
     params = prefill_on_p(p, tp.model, prompt, f"xfer-{uuid.uuid4()}")
+    sent = time.monotonic()
     future = in_background(lambda: (completion(d.url, tp.model, prompt, kv_transfer_params=params,
                                                timeout=STARVED_S), time.monotonic()))
     wait_until(lambda: d.metric("vllm:num_requests_waiting") >= 1, 60, "D to wait for the KV")
-    time.sleep(0.3)  # inside P's 1.5 s `slow` write
+    time.sleep(0.3)  # P's write has begun: the pull leaves D as the request starts waiting
+    # The write began after `sent`: a kill later than SLOW_WRITE_S after it could come after the write.
+    assert time.monotonic() - sent < SLOW_WRITE_S - 1, "the harness was too slow to kill inside the write"
     assert not future.done()
     os.kill(rank_pid(p, 1), signal.SIGKILL)
     killed = time.monotonic()
