@@ -70,6 +70,12 @@ def test_p_restarted_at_the_same_address_serves_the_next_request_and_d_sockets_s
             finally:
                 producer.close()
                 p_engine.close()
+            if fixed:  # a P restarts in seconds, D sees its connection close in milliseconds: keep that order
+                # (a loaded CI box once let the next P bind first; D then trusted its cached answer for the
+                # old process, sealed the pull for it, and the new P rightly dropped it: `peer_dead`).
+                wait_until(lambda: all(not d.connected or d.dropped is not None or d.lost
+                                       for d in list(consumer._dealers.values())), 10,
+                           "D to see the old P's connection close")
             if i == 0:
                 fds_after_first = open_fds()
         # Every DEALER to a P that is gone is closed; none stays for a dead port.

@@ -4,7 +4,7 @@ for every state machine, let hypothesis look for the hang or the leak instead of
 A P/D pair as in test_vllm_connector.py (real `Scheduler`s and `KVCacheManager`s, kvferry's real data
 plane, control plane and bootstrap), in four shapes: one KV cache group at TP 1 → 1, two groups (full
 attention + sliding window, HMA), P TP 1 → D TP 2, and MLA at P TP 2 → D TP 1. Per example: D's
-`kv_load_failure_policy` (fail / recompute) and both pools' size (64 or 24 blocks). Rules: start a transfer
+`kv_load_failure_policy` (fail / recompute) and both pools' size (64, 24 or just one request's blocks). Rules: start a transfer
 (random prompt length, block edges included; prompts that share prefixes; a chosen injected fault; now
 and then a reused transfer id) on P, on D or on both at once, give it its other side later, abort it on
 P or on D at any point (also while D loads it), kill P, step the engines.
@@ -169,6 +169,13 @@ class Shape:
     def multi_group(self) -> bool:
         return self.instance is CheckedHybrid
 
+    @property
+    def tight_blocks(self) -> int:
+        """The smallest pool that holds the largest request (87 prompt + 4 new tokens: 6 blocks) and the
+        null block: every other request waits for it, each side's lent or loading blocks included. A
+        two-group model needs the 6 blocks in both groups, the window's skipped ones freed only later."""
+        return 13 if self.multi_group else 7
+
 
 SHAPES = [
     Shape("one-group", CheckedInstance),
@@ -205,10 +212,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.killed = False
         self.log: list[str] = []
 
-    @initialize(policy=st.sampled_from(["fail", "recompute"]), num_blocks=st.sampled_from([64, 24]), first=TRANSFER)
-    def start(self, policy: str, num_blocks: int, first: dict[str, Any]) -> None:
-        """The pair, with D's policy and both pools' size (24 blocks: requests wait for room on P and D,
-        P's lent blocks among them), and a first transfer (an example without one tests nothing)."""
+    @initialize(policy=st.sampled_from(["fail", "recompute"]), pool=st.sampled_from(["roomy", "small", "tight"]),
+                first=TRANSFER)
+    def start(self, policy: str, pool: str, first: dict[str, Any]) -> None:
+        """The pair, with D's policy and both pools' size (64 blocks; 24: requests wait for room on P and D,
+        P's lent blocks among them; `Shape.tight_blocks`: one request at a time), and a first transfer (an
+        example without one tests nothing)."""
+        num_blocks = {"roomy": 64, "small": 24, "tight": self.shape.tight_blocks}[pool]
         class MachinePD(PD):
             instance = self.shape.instance
 
