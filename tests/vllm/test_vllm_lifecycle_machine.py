@@ -219,6 +219,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         P's lent blocks among them; `Shape.tight_blocks`: one request at a time), and a first transfer (an
         example without one tests nothing)."""
         num_blocks = {"roomy": 64, "small": 24, "tight": self.shape.tight_blocks}[pool]
+        event(f"pool: {pool}")
         class MachinePD(PD):
             instance = self.shape.instance
 
