@@ -4,10 +4,11 @@ for every state machine, let hypothesis look for the hang or the leak instead of
 A P/D pair as in test_vllm_connector.py (real `Scheduler`s and `KVCacheManager`s, kvferry's real data
 plane, control plane and bootstrap), in four shapes: one KV cache group at TP 1 → 1, two groups (full
 attention + sliding window, HMA), P TP 1 → D TP 2, and MLA at P TP 2 → D TP 1. Per example: D's
-`kv_load_failure_policy` (fail / recompute) and both pools' size (64, 24 or just one request's blocks). Rules: start a transfer
-(random prompt length, block edges included; prompts that share prefixes; a chosen injected fault; now
-and then a reused transfer id) on P, on D or on both at once, give it its other side later, abort it on
-P or on D at any point (also while D loads it), kill P, step the engines.
+`kv_load_failure_policy` (fail / recompute) and both pools' size (64, 24, or the largest request's
+blocks). Rules: start a transfer (random prompt length, block edges included; prompts that share
+prefixes; a chosen injected fault; now and then a reused transfer id) on P, on D or on both at once, give
+it its other side later, abort it on P or on D at any point (also while D loads it), kill P, step the
+engines.
 
 Checked: the prompt's KV each instance's model reads when it samples a request's first token is the fake
 model's KV (loaded, recomputed or computed); a request that ends well has the reference tokens (the

@@ -51,8 +51,8 @@ MAX_DIFFERING = 1
 STARVED_S = 300.0
 D_EXTRA = {"kv_load_deadline_s": STARVED_S, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 10.0,
            "heartbeat_ceiling_s": 30.0}
-# Long enough that a loaded box still kills inside it (at 1.5 s a CI run once polled D's metrics past
-# the write's end, so nothing failed); under `recompute` D waits this long on P rank 0's write.
+# P's writes are held this long: a loaded box still kills inside them (at 1.5 s a CI run once polled D's
+# metrics past the write's end, so nothing failed). D gives up P rank 0's held write with the killed rank's.
 SLOW_WRITE_S = 8.0
 KILLED_S = 2.0  # a killed P rank's connection closes at once; D's engine step and the HTTP answer on 2 cores
 
