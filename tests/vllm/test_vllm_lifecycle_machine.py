@@ -68,10 +68,13 @@ DRAIN_S = 12.0  # every request ends and every table empties within this: below 
 MAX_TRANSFERS = 5
 # A transfer: its prompt (whole blocks, one token short or over, or mid-block; variants share prefixes), its
 # fault, D's output length, and where it starts (both at once as a proxy sends, P first, or D first).
+MAX_BLOCKS, EDGES, MAX_NEW_TOKENS = 5, (-1, 0, 1, 7), 4
 TRANSFER_ARGS: dict[str, Any] = dict(
-    blocks=st.integers(0, 5), edge=st.sampled_from([-1, 0, 1, 7]), variant=st.integers(0, 2),
-    fault=st.sampled_from([None, None, None, *FAULTS]), max_tokens=st.integers(1, 4),
+    blocks=st.integers(0, MAX_BLOCKS), edge=st.sampled_from(EDGES), variant=st.integers(0, 2),
+    fault=st.sampled_from([None, None, None, *FAULTS]), max_tokens=st.integers(1, MAX_NEW_TOKENS),
     where=st.sampled_from(["both", "p", "d"]))
+# The largest request's blocks (prompt and new tokens): the `tight` pool holds just one of them.
+LARGEST_BLOCKS = -(-(MAX_BLOCKS * BLOCK_SIZE + max(EDGES) + MAX_NEW_TOKENS) // BLOCK_SIZE)
 TRANSFER = st.fixed_dictionaries(TRANSFER_ARGS)
 # What a loaded box alone can make of any transfer: a bootstrap answer later than the client's 2 s, a P
 # that answers later than D's receive timeout or heartbeat bound, a lease or "not ready" wait run out.
@@ -172,10 +175,10 @@ class Shape:
 
     @property
     def tight_blocks(self) -> int:
-        """The smallest pool that holds the largest request (87 prompt + 4 new tokens: 6 blocks) and the
-        null block: every other request waits for it, each side's lent or loading blocks included. A
-        two-group model needs the 6 blocks in both groups, the window's skipped ones freed only later."""
-        return 13 if self.multi_group else 7
+        """The smallest pool that holds the largest request and vLLM's null block: every other request
+        waits for it, each side's lent or loading blocks included. A two-group model needs the blocks in
+        both groups (the window's skipped ones are freed only later)."""
+        return LARGEST_BLOCKS * (2 if self.multi_group else 1) + 1
 
 
 SHAPES = [

@@ -37,25 +37,22 @@ from kvferry.harness.processes import free_port
 DEFAULTS_ENV = ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
 REQUESTS, IN_FLIGHT, WORDS, MAX_TOKENS = 16, 2, 200, 16
 ANSWER_TIMEOUT_S = 600.0
-_CAUSE = re.compile(r"KV load for \S+ failed \((\w+)\)")
-_DEAD = re.compile(r"KV load for \S+ failed \(peer_dead\): (.*)")
-_DEADLINE = re.compile(r"KV load for \S+ failed \(deadline\): (.*)")
+_FAILED = re.compile(r"KV load for \S+ failed \((\w+)\)(?:: (.*))?")  # D's log: (cause, reason)
 _SECONDS = re.compile(r"(unreachable|silent) for ([\d.]+)s")
 
 
-def _dead_kinds(log: str) -> str:
+def _dead_kinds(reasons: list[str]) -> str:
     """What each false `peer_dead` was: which bound ran out, after how long (the message's own words)."""
     kinds = []
-    for message in _DEAD.findall(log):
+    for message in reasons:
         m = _SECONDS.search(message)
         kinds.append(f"{m[1]} {m[2]}s" if m else message[:60])
     return ", ".join(sorted(kinds)) or "-"
 
 
-def _deadline_kinds(log: str) -> str:
+def _deadline_kinds(reasons: list[str]) -> str:
     """`deadline`s split: P alive but its control loop silent past the ceiling, or D's whole-load deadline."""
-    kinds = Counter("P alive, silent" if ALIVE_BUT_SILENT in m else "load deadline"
-                    for m in _DEADLINE.findall(log))
+    kinds = Counter("P alive, silent" if ALIVE_BUT_SILENT in m else "load deadline" for m in reasons)
     return ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-"
 
 
@@ -86,11 +83,14 @@ def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str],
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(pool.map(ask, range(len(prompts))))
     log = d.log.read_text(errors="replace")[len(log_before):]
-    causes = Counter(_CAUSE.findall(log))
+    failures = _FAILED.findall(log)
+    causes = Counter(cause for cause, _ in failures)
+    reasons = {c: [r for cause, r in failures if cause == c] for c in ("peer_dead", "deadline")}
     outcomes = Counter(outcome for outcome, _ in results)
     seconds = [s for _, s in results]
     return {"load": name, "requests": len(prompts), "right text": outcomes.pop("right", 0),
-            "false peer_dead": causes.pop("peer_dead", 0), "which": _dead_kinds(log), "deadlines": _deadline_kinds(log),
+            "false peer_dead": causes.pop("peer_dead", 0), "which": _dead_kinds(reasons["peer_dead"]),
+            "deadlines": _deadline_kinds(reasons["deadline"]),
             "other KV-load failures": ", ".join(f"{k} {v}" for k, v in sorted(causes.items())) or "0",
             "other outcomes": ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "-",
             "latency p50 s": percentile(seconds, 50), "latency p99 s": percentile(seconds, 99)}

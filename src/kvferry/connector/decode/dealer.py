@@ -13,12 +13,13 @@ A dead P is noticed three ways:
   on an idle box a SIGSTOP'd P is dead as its connection drops, while after slow acks (a loaded box, a
   whole process starved of the CPU so that its I/O thread missed the ZMTP timeout) a longer gap is
   ridden out. Across the re-dial nothing is lost: the DEALER's routing id is fixed (P's ROUTER hands it
-  over to the new connection), and D sends every pull it still waits on again; P answers a repeated pull idempotently (the write
-  in flight: CONTINUE; done: its remembered answer). Until P answers after the re-dial the bound still
-  holds: a *new* P process at the same address refuses what we seal and so is dead by it. A connection
-  that closes inside its handshake proves nothing (libzmq dials again; a P that never completes one is
-  dead by the ceiling). A *first* dial refused is a gone P rank too (P's bootstrap server still names a
-  rank whose process died: ranks bind before they register): dead at once, not at the receive timeout;
+  over to the new connection), and D sends every pull it still waits on again; P answers a repeated
+  pull idempotently (the write in flight: CONTINUE; done: its remembered answer). Until P answers after
+  the re-dial the bound still holds: a *new* P process at the same address refuses what we seal and so
+  is dead by it. A connection that closes inside its handshake proves nothing (libzmq dials again; a P
+  that never completes one is dead by the ceiling). A *first* dial refused is a gone P rank too (P's
+  bootstrap server still names a rank whose process died: ranks bind before they register): dead at
+  once, not at the receive timeout;
 - silence of P's Python (the request does not progress): a heartbeat left unanswered past its bound.
   With the ZMTP heartbeat that bound is the ceiling (`--heartbeat-ceiling`), and while the connection
   lives P's process is known alive (its I/O thread answers libzmq's pings): the waiting pulls fail as
