@@ -37,6 +37,7 @@ class Cluster:
         self.model = model
         self.p_port, self.bootstrap_port = free_port(), free_port()
         self.p_faults: str | None = None
+        self.p_args: tuple[str, ...] = ()
         self.p: Server | None = None
         self.c = vllm_server("colocated", model, free_port(), "--num-gpu-blocks-override", str(P_BLOCKS))
         self.d = self._decode("decode", "fail", D_BLOCKS)
@@ -50,14 +51,14 @@ class Cluster:
                                                      heartbeat_interval_s=1.0, heartbeat_timeout_s=HEARTBEAT_FLOOR_S,
                                                      heartbeat_ceiling_s=HEARTBEAT_CEILING_S))
 
-    def _new_p(self, faults: str) -> Server:
+    def _new_p(self, faults: str, *args: str) -> Server:
         extra: dict[str, Any] = {"engine_id": "kvferry-ci-p", "bootstrap_port": self.bootstrap_port,
                                  "abort_timeout_s": ABORT_TIMEOUT_S if faults else CLEAN_ABORT_TIMEOUT_S,
                                  "faults": faults}
         p = vllm_server("prefill", self.model, self.p_port, "--num-gpu-blocks-override", str(P_BLOCKS),
-                        "--kv-transfer-config", kv_config("kv_producer", **extra))
+                        "--kv-transfer-config", kv_config("kv_producer", **extra), *args)
         self.servers.append(p)
-        self.p, self.p_faults = p, faults
+        self.p, self.p_faults, self.p_args = p, faults, args
         return p
 
     def start(self) -> None:
@@ -67,13 +68,14 @@ class Cluster:
         for s in (self.c, p, self.d, self.proxy):
             s.wait_healthy()
 
-    def prefill(self, faults: str = "") -> Server:
-        """P, healthy, with this fault spec; restarted (same address, same engine id) only if needed."""
-        if self.p is not None and self.p.alive() and self.p_faults == faults:
+    def prefill(self, faults: str = "", *args: str) -> Server:
+        """P, healthy, with this fault spec and these extra `vllm serve` arguments; restarted (same address,
+        same engine id) only if needed."""
+        if self.p is not None and self.p.alive() and (self.p_faults, self.p_args) == (faults, args):
             return self.p
         if self.p is not None:
             self.p.kill9()
-        p = self._new_p(faults).start()
+        p = self._new_p(faults, *args).start()
         p.wait_healthy()
         return p
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 from cluster import (
     ABORT_TIMEOUT_S,
+    CLEAN_ABORT_TIMEOUT_S,
     D_BLOCKS,
     FAULTS,
     P_BLOCKS,
@@ -209,3 +211,34 @@ def test_g_vllm_router_drives_vllm_pd_with_kvferry(cluster: Any, mode: str) -> N
         assert "kv_transfer_params ignored" not in cluster.d.log_text()[d_log:]
     finally:
         router.stop()
+
+
+# vLLM's own drain (`--shutdown-timeout`): on SIGTERM its engine stops admitting and keeps stepping while a
+# finished request's blocks wait on the connector; kvferry serves the pull meanwhile. Above P's abort timeout,
+# so that a transfer nobody pulls expires first.
+DRAIN_S = int(CLEAN_ABORT_TIMEOUT_S) + 30
+
+
+def test_h_sigterm_on_p_with_vllms_drain_serves_the_transfer_it_holds(cluster: Any) -> None:
+    """Issue 32.1: SIGTERM to P's `vllm serve` (its main process, as Kubernetes sends it) after P answered
+    two prefills; D pulls one while P drains: D's answer equals the colocated one. The other is never
+    pulled: it expires after P's abort timeout, and then P exits 0."""
+    p = cluster.prefill("", "--shutdown-timeout", str(DRAIN_S))
+    prompt = prompt_of(300, 61)
+    want = tokens(completion(cluster.c.url, cluster.model, prompt))
+    params = prefill_on_p(p, cluster.model, prompt, transfer_id_where(None))
+    prefill_on_p(p, cluster.model, prompt_of(200, 62), transfer_id_where(None))  # nobody pulls this one
+    prefilled = time.monotonic()
+    assert p.popen is not None
+    p.popen.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    wait_until(lambda: "start mode=drain" in p.log_text(), 30, "P's engine to start its drain")
+    assert p.alive(), p.tail()
+    assert tokens(completion(cluster.d.url, cluster.model, prompt, kv_transfer_params=params)) == want
+    answered = time.monotonic()
+    assert p.popen.wait(timeout=DRAIN_S) == 0, p.tail()
+    exited = time.monotonic()
+    assert exited - prefilled >= CLEAN_ABORT_TIMEOUT_S - 1, "P exited before the unpulled transfer expired"
+    print(f"SIGTERM -> D answered {answered - signalled:.2f}s, P exited 0 {exited - signalled:.2f}s after the "
+          f"signal ({exited - prefilled:.2f}s after the unpulled prefill; abort timeout {CLEAN_ABORT_TIMEOUT_S}s)")
+    wait_until(lambda: cluster.d.metric("vllm:kv_cache_usage_perc") == 0, 10, "D to free its blocks")
