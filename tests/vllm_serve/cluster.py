@@ -45,11 +45,18 @@ class Cluster:
         self.proxy = proxy_server(free_port(), f"http://127.0.0.1:{self.p_port}", self.d.url)
         self.servers: list[Server] = [self.c, self.d, self.proxy]
 
-    def _decode(self, name: str, policy: str, blocks: int) -> Server:
+    def _decode(self, name: str, policy: str, blocks: int, *args: str) -> Server:
         return vllm_server(name, self.model, free_port(), "--num-gpu-blocks-override", str(blocks),
                            "--kv-transfer-config", kv_config("kv_consumer", policy, kv_load_deadline_s=30,
                                                      heartbeat_interval_s=1.0, heartbeat_timeout_s=HEARTBEAT_FLOOR_S,
-                                                     heartbeat_ceiling_s=HEARTBEAT_CEILING_S))
+                                                     heartbeat_ceiling_s=HEARTBEAT_CEILING_S), *args)
+
+    def decode_draining(self, drain_s: int) -> Server:
+        """A D of its own with vLLM's drain on SIGTERM (the test ends it)."""
+        d = self._decode("decode-drain", "fail", D_BLOCKS, "--shutdown-timeout", str(drain_s))
+        self.servers.append(d)
+        d.start().wait_healthy()
+        return d
 
     def _new_p(self, faults: str, *args: str) -> Server:
         extra: dict[str, Any] = {"engine_id": "kvferry-ci-p", "bootstrap_port": self.bootstrap_port,

@@ -242,3 +242,26 @@ def test_h_sigterm_on_p_with_vllms_drain_serves_the_transfer_it_holds(cluster: A
     print(f"SIGTERM -> D answered {answered - signalled:.2f}s, P exited 0 {exited - signalled:.2f}s after the "
           f"signal ({exited - prefilled:.2f}s after the unpulled prefill; abort timeout {CLEAN_ABORT_TIMEOUT_S}s)")
     wait_until(lambda: cluster.d.metric("vllm:kv_cache_usage_perc") == 0, 10, "D to free its blocks")
+
+
+def test_i_sigterm_on_d_with_vllms_drain_finishes_the_request_it_runs(cluster: Any) -> None:
+    """Issue 32.1 on D: SIGTERM to D's `vllm serve` while its request waits for P's (slowed) KV; with vLLM's
+    drain the pull and the decode go on: the client gets the colocated tokens, and D exits 0."""
+    d = cluster.decode_draining(DRAIN_S)
+    p = cluster.prefill(FAULTS)  # every write held 1.5 s
+    prompt, max_tokens = prompt_of(300, 71), 200
+    want = tokens(completion(cluster.c.url, cluster.model, prompt, max_tokens=max_tokens))
+    params = prefill_on_p(p, cluster.model, prompt, transfer_id_where(None))
+    future = in_background(completion, d.url, cluster.model, prompt, max_tokens=max_tokens, kv_transfer_params=params)
+    wait_until(lambda: d.metric("vllm:num_requests_waiting") + d.metric("vllm:num_requests_running") >= 1, 30,
+               "D to take the request")
+    assert not future.done(), "the request ended before the signal: the harness was too slow"
+    assert d.popen is not None
+    d.popen.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert tokens(future.result(timeout=DRAIN_S)) == want
+    answered = time.monotonic()
+    assert d.popen.wait(timeout=DRAIN_S) == 0, d.tail()
+    assert "start mode=drain" in d.log_text()
+    print(f"SIGTERM to D -> its client answered {answered - signalled:.2f}s later, D exited 0 after "
+          f"{time.monotonic() - signalled:.2f}s")
