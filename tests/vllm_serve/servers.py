@@ -84,6 +84,16 @@ class Server:
             os.killpg(self.pgid, signal.SIGKILL)
         _wait_group_gone(self, 30)
 
+    def terminate(self) -> float:
+        """SIGTERM to the main process only, as Kubernetes sends it (vLLM ends its children itself); when."""
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGTERM)
+        return time.monotonic()
+
+    def exit_code(self, timeout: float) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout=timeout)
+
     def stop(self) -> None:
         """SIGTERM the group, then SIGKILL what is left after 20 s."""
         if self.popen is None:

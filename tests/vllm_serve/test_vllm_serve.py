@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from typing import Any
 
@@ -228,19 +227,16 @@ def test_h_sigterm_on_p_with_vllms_drain_serves_the_transfer_it_holds(cluster: A
     want = tokens(completion(cluster.c.url, cluster.model, prompt))
     params = prefill_on_p(p, cluster.model, prompt, transfer_id_where(None))
     prefill_on_p(p, cluster.model, prompt_of(200, 62), transfer_id_where(None))  # nobody pulls this one
-    prefilled = time.monotonic()
-    assert p.popen is not None
-    p.popen.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
+    signalled = p.terminate()  # right after the unpulled prefill: its abort timeout counts from about here
     wait_until(lambda: "start mode=drain" in p.log_text(), 30, "P's engine to start its drain")
     assert p.alive(), p.tail()
     assert tokens(completion(cluster.d.url, cluster.model, prompt, kv_transfer_params=params)) == want
     answered = time.monotonic()
-    assert p.popen.wait(timeout=DRAIN_S) == 0, p.tail()
+    assert p.exit_code(DRAIN_S) == 0, p.tail()
     exited = time.monotonic()
-    assert exited - prefilled >= CLEAN_ABORT_TIMEOUT_S - 1, "P exited before the unpulled transfer expired"
+    assert exited - signalled >= CLEAN_ABORT_TIMEOUT_S - 1, "P exited before the unpulled transfer expired"
     print(f"SIGTERM -> D answered {answered - signalled:.2f}s, P exited 0 {exited - signalled:.2f}s after the "
-          f"signal ({exited - prefilled:.2f}s after the unpulled prefill; abort timeout {CLEAN_ABORT_TIMEOUT_S}s)")
+          f"signal (abort timeout {CLEAN_ABORT_TIMEOUT_S}s)")
     wait_until(lambda: cluster.d.metric("vllm:kv_cache_usage_perc") == 0, 10, "D to free its blocks")
 
 
@@ -256,12 +252,10 @@ def test_i_sigterm_on_d_with_vllms_drain_finishes_the_request_it_runs(cluster: A
     wait_until(lambda: d.metric("vllm:num_requests_waiting") + d.metric("vllm:num_requests_running") >= 1, 30,
                "D to take the request")
     assert not future.done(), "the request ended before the signal: the harness was too slow"
-    assert d.popen is not None
-    d.popen.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
+    signalled = d.terminate()
     assert tokens(future.result(timeout=DRAIN_S)) == want
     answered = time.monotonic()
-    assert d.popen.wait(timeout=DRAIN_S) == 0, d.tail()
+    assert d.exit_code(DRAIN_S) == 0, d.tail()
     assert "start mode=drain" in d.log_text()
     print(f"SIGTERM to D -> its client answered {answered - signalled:.2f}s later, D exited 0 after "
           f"{time.monotonic() - signalled:.2f}s")
