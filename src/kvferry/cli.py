@@ -129,8 +129,9 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the proxy")
     p.add_argument("--retries", type=int, default=0, help="retry a KV-load failure before the first token")
     p.add_argument("--migrations", type=int, default=2,
-                   help="a stream whose D dies is resumed on another D from the tokens already sent, at most this "
-                        "many times (0 = off; needs kvferry D instances)")
+                   help="a stream whose D dies or aborts it is resumed on another D from the tokens already sent, "
+                        "and a non-streamed answer a D aborted (shutting down) is asked of another D, at most this "
+                        "many times (0 = off; resuming after text needs kvferry D instances)")
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="ask every instance in rotation /health this often; a draining (503) or unreachable one "
                         "leaves rotation until it answers 200 again (s; 0 = only on failed requests)")

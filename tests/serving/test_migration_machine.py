@@ -1,14 +1,16 @@
 """Decode migration under every cut hypothesis picks (issue 32.4): the D relaying a stream dies after k of its
 events (k from 0 to all of them, right before `[DONE]` included) and after any number of bytes of the next one,
-while 0, 1 or 2 other D's are healthy, refuse connections (dead), answer 503 (draining) or die mid-stream
-themselves, under a migration budget of 0 to 3. The proxy's real `Migration` relays real kvferry instances'
+while 0, 1 or 2 other D's are healthy, refuse connections (dead), answer 503 (draining), abort the request as
+vLLM's SIGTERM does (HTTP 200, no token, finish_reason "abort") or die mid-stream themselves, under a migration
+budget of 0 to 3; completions and chat completions. The proxy's real `Migration` relays real kvferry instances'
 streams over loopback sockets; the dying D is a relay in front of a real instance that, as kill -9 would,
 drops its connection and its port at the cut.
 
 Properties: the client's stream is events then exactly one `[DONE]`; its text is always a prefix of the
 fault-free text (no token repeated or lost) and is all of it whenever a healthy D is within the budget;
-otherwise exactly one error event, right before `[DONE]`; every cut before the stream's last token event is
-counted once, as `resumed` or `gave_up`; a stream never hangs."""
+otherwise exactly one error event, right before `[DONE]`; no aborted finish reaches the client; every cut
+before the stream's last token event, and every abort, is counted once, as `resumed` or `gave_up`; a chat
+stream's role chunk comes exactly once, as its first delta; a stream never hangs."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fake_vllm import Counter, aborting_decode
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from inproc import ServerThread
 
@@ -34,7 +37,7 @@ from kvferry.serving.resume import TOKEN_IDS_FIELD
 from procs import free_port
 
 PROMPT = "migrate me: " + "kv " * 6
-PATH = "/v1/completions"
+PATHS = {False: "/v1/completions", True: "/v1/chat/completions"}
 DONE = b"data: [DONE]\n\n"
 
 
@@ -43,6 +46,8 @@ class Servers:
     a: str  # the first D's instance
     b: str  # the other D's instance (another engine: resumed bits must match A's)
     draining: str  # an instance over B's engine whose drain has started: 503 to every completion
+    aborting: str  # a vLLM D under SIGTERM (no --shutdown-timeout): HTTP 200, no token, finish_reason "abort"
+    aborts: Counter  # the requests it was sent
     references: dict[str, tuple[str, list[bytes]]] = field(default_factory=dict, repr=False)
 
 
@@ -52,13 +57,14 @@ def servers() -> Iterator[Servers]:
     for engine in engines:
         engine.start()
     drain = Drain(engines[1].snapshot, timeout_s=float("inf"))
+    aborts = Counter()
     threads = [ServerThread.of(build_app(engines[0])), ServerThread.of(build_app(engines[1])),
-               ServerThread.of(build_app(engines[1], drain=drain))]
+               ServerThread.of(build_app(engines[1], drain=drain)), ServerThread.of(aborting_decode(aborts))]
     try:
         for t in threads:
             t.start()
         assert httpx.post(f"{threads[2].url}/drain", timeout=10).status_code == 202
-        yield Servers(threads[0].url, threads[1].url, threads[2].url)
+        yield Servers(threads[0].url, threads[1].url, threads[2].url, threads[3].url, aborts)
     finally:
         for t in threads:
             t.stop()
@@ -71,26 +77,27 @@ def _events(raw: bytes) -> list[bytes]:
     return [part + b"\n\n" for part in raw.split(b"\n\n") if part]
 
 
+def _choice(event: bytes) -> dict[str, Any]:
+    data = json.loads(event[6:])
+    choice: dict[str, Any] = (data.get("choices") or [{}])[0]
+    return choice
+
+
 def _text(events: list[bytes]) -> str:
-    out = []
-    for e in events:
-        data = json.loads(e[6:])
-        out.append(data["choices"][0]["text"] if "choices" in data else "")
-    return "".join(out)
+    """The text of a completion's or a chat's events."""
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in map(_choice, events))
 
 
 def _is_final(event: bytes) -> bool:
-    data = json.loads(event[6:]) if event != DONE else {}
-    choices = data.get("choices") or [{}]
-    return choices[0].get("finish_reason") is not None
+    return event != DONE and _choice(event).get("finish_reason") is not None
 
 
-def _reference(servers: Servers, body: dict[str, Any]) -> tuple[str, list[bytes]]:
+def _reference(servers: Servers, path: str, body: dict[str, Any]) -> tuple[str, list[bytes]]:
     """The fault-free stream of A (its events as D sends them to the proxy, with token ids) and its text."""
-    key = json.dumps(body, sort_keys=True)
+    key = path + json.dumps(body, sort_keys=True)
     if key not in servers.references:
         with httpx.Client(timeout=60) as client:
-            r = client.post(f"{servers.a}{PATH}", json=body)
+            r = client.post(f"{servers.a}{path}", json=body)
         assert r.status_code == 200, r.text
         events = _events(r.content)
         assert events[-1] == DONE
@@ -160,7 +167,7 @@ class DyingD:
         self.cut = True
 
 
-FATES = st.one_of(st.sampled_from(["healthy", "refused", "draining"]),
+FATES = st.one_of(st.sampled_from(["healthy", "refused", "draining", "aborts"]),
                   st.tuples(st.just("dies"), st.integers(0, 30), st.integers(0, 400)))
 
 
@@ -173,6 +180,7 @@ class Case:
     others: list[Any]
     budget: int
     stop_at: int | None  # a stop string taken from the fault-free text at this index
+    chat: bool = False  # /v1/chat/completions (its first delta carries the role) or /v1/completions
 
 
 CASES = st.builds(
@@ -184,25 +192,30 @@ CASES = st.builds(
     others=st.lists(FATES, max_size=2),
     budget=st.integers(0, 3),
     stop_at=st.none() | st.integers(0, 40),
+    chat=st.booleans(),
 )
 
 
 @pytest.mark.timeout(300)
 @settings(max_examples=int(os.environ.get("KVFERRY_MACHINE_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=CASES)
+# The first D dies before its first chat chunk (as when a long stop string holds the text back): the resumed
+# stream is the client's first, and still begins with the role.
+@example(case=Case({"temperature": 0}, 8, 0.0, 0, ["healthy"], 1, None, chat=True))
 def test_a_stream_whose_d_dies_anywhere_is_whole_or_ends_with_one_error(servers: Servers, case: Case) -> None:
     asyncio.run(asyncio.wait_for(_run(servers, case), 90))
 
 
 async def _run(servers: Servers, case: Case) -> None:
-    body = prepare({"prompt": PROMPT, "max_tokens": case.max_tokens, "ignore_eos": True, "stream": True,
-                    **case.sampling})
-    text, events = _reference(servers, body)
+    path = PATHS[case.chat]
+    prompt = {"messages": [{"role": "user", "content": PROMPT}]} if case.chat else {"prompt": PROMPT}
+    body = prepare({**prompt, "max_tokens": case.max_tokens, "ignore_eos": True, "stream": True, **case.sampling})
+    text, events = _reference(servers, path, body)
     if case.stop_at is not None and text.strip():
         stop = text[case.stop_at % len(text)]
         if stop.isascii() and stop.isprintable() and stop.strip():  # not a partial character's U+FFFD
             body["stop"] = [stop]
-            text, events = _reference(servers, body)
+            text, events = _reference(servers, path, body)
     # The first D dies after k of its events: k = 0 (before any token) up to all of them (before [DONE]).
     token_events = len(events) - 1
     first = await DyingD(servers.a, round(case.first_cut * token_events), case.partial).start()
@@ -215,18 +228,21 @@ async def _run(servers: Servers, case: Case) -> None:
             others.append(f"http://127.0.0.1:{free_port()}")
         elif fate == "draining":
             others.append(servers.draining)
+        elif fate == "aborts":
+            others.append(servers.aborting)
         else:
             d = await DyingD(servers.b, fate[1], fate[2]).start()
             dying.append(d)
             others.append(d.url)
     outcomes: list[str] = []
+    servers.aborts.requests = 0
     try:
         async with httpx.AsyncClient(timeout=60) as client:
             pool = InstancePool([Instance(first.url), *(Instance(u) for u in others)], client)
             try:
-                r = await client.send(client.build_request("POST", f"{first.url}{PATH}", json=body), stream=True)
+                r = await client.send(client.build_request("POST", f"{first.url}{path}", json=body), stream=True)
                 assert r.status_code == 200
-                migration = Migration(client, pool, body, PATH, case.budget, outcomes.append)
+                migration = Migration(client, pool, body, path, case.budget, outcomes.append)
                 got = b"".join([e async for e in migration.relay(r, pool.instances[0])])
             finally:
                 await pool.close()
@@ -234,10 +250,10 @@ async def _run(servers: Servers, case: Case) -> None:
         for d in dying:
             await d.close()
     assert first.cut, "the first D never died"
-    _check(case, text, got, outcomes, dying)
+    _check(case, text, got, outcomes, dying, servers.aborts.requests)
 
 
-def _check(case: Case, text: str, got: bytes, outcomes: list[str], dying: list[DyingD]) -> None:
+def _check(case: Case, text: str, got: bytes, outcomes: list[str], dying: list[DyingD], aborts: int) -> None:
     events = _events(got)
     assert events and events[-1] == DONE and events.count(DONE) == 1, got[-300:]
     bodies = [json.loads(e[6:]) for e in events[:-1]]
@@ -245,10 +261,14 @@ def _check(case: Case, text: str, got: bytes, outcomes: list[str], dying: list[D
     assert len(errors) <= 1 and (not errors or errors[0] == len(bodies) - 1), "error event not last"
     assert all(TOKEN_IDS_FIELD not in b for b in bodies), "the proxy's own field reached the client"
     assert len({b["id"] for b in bodies if "id" in b}) <= 1, "one stream, one id"
+    deltas = [b["choices"][0]["delta"] for b in bodies if b.get("choices") and "delta" in b["choices"][0]]
+    roles = [i for i, d in enumerate(deltas) if d.get("role") == "assistant"]
+    assert not deltas or roles == [0], f"a chat stream's role chunk must come once, first: {deltas}"
     client_text = _text(events[:-1])
     assert text.startswith(client_text), f"text repeated or lost: {client_text!r} vs {text!r}"
-    # Every D death before the stream's last token event is one migration outcome.
-    needed = sum(d.cut and not d.cut_after_final for d in dying)
+    assert all(_choice(e).get("finish_reason") != "abort" for e in events[:-1]), "an aborted finish reached the client"
+    # Every D death before the stream's last token event, and every abort, is one migration outcome.
+    needed = sum(d.cut and not d.cut_after_final for d in dying) + aborts
     assert outcomes.count("resumed") + outcomes.count("gave_up") == needed, (outcomes, needed)
     assert outcomes.count("gave_up") == len(errors), (outcomes, errors)
     healthy = "healthy" in case.others

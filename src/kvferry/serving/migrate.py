@@ -5,8 +5,15 @@ and computes a sequence's bits the same wherever it runs, so the client's whole 
 answer: no token repeated or lost. The proxy gives every sampled request without a seed one of its own
 so that it, too, can be resumed.
 
+A D that aborts the request (finish_reason "abort": vLLM's default SIGTERM, a D shutting down) is gone
+too: its abort event is withheld and the stream resumes elsewhere, within the same budget. A chat stream
+begins with exactly one role chunk whichever D sends what: the proxy knows whether the client has one,
+so it strips a later D's and gives the first delta the role when no D sent it (a resumed kvferry D
+sends none; a D that died before its first chunk left the client without one).
+
 What it costs: each event is parsed (to strip the token ids D added for the proxy). What it cannot do:
-resume a D that announces no token ids (a vLLM D) — that stream ends as it did before, without `[DONE]`."""
+resume a D that announces no token ids (a vLLM D) once text reached the client — that stream ends with an
+error event. Before any text (a vLLM D that aborted before its first token) it restarts from the prompt."""
 
 from __future__ import annotations
 
@@ -40,10 +47,12 @@ class StreamState:
 
     token_ids: list[int] = field(default_factory=list)
     text_sent: int = 0
-    resumable: bool = True  # every event so far announced its token ids
+    resumable: bool = True  # every event with text so far announced its token ids
     first_id: str | None = None
+    role_sent: bool = False  # a chat chunk with the role reached the client
     done: bool = False
     finished: bool = False  # an event with a finish_reason was relayed: the client has the whole answer
+    aborted: bool = False  # the D being relayed aborted the request: its stream ends here
 
 
 @dataclass
@@ -73,13 +82,14 @@ class Migration:
             if self.state.finished:  # D died between its last event and [DONE]: nothing left to resume
                 yield b"data: [DONE]\n\n"
                 return
-            self.decodes.eject(decode, "its stream broke")
+            self.decodes.eject(decode, "it aborted the stream" if self.state.aborted else "its stream broke")
+            self.state.aborted = False
             response = None
             while response is None:
                 if not self.state.resumable or attempts >= self.budget:
                     self.on_outcome("gave_up")
                     # As an instance ends a stream that failed after its start: one error event, then [DONE].
-                    yield _error_event("decode instance died mid-stream; the stream cannot be resumed")
+                    yield _error_event("decode instance died or aborted mid-stream; the stream cannot be resumed")
                     yield b"data: [DONE]\n\n"
                     return
                 attempts += 1
@@ -112,9 +122,14 @@ class Migration:
                 self.state.done = True
                 yield b"data: [DONE]\n\n"
                 return
-            yield self._rewrite(payload)
+            event = self._rewrite(payload)
+            if event is None:  # D aborted: nothing of its last event reaches the client, as if it died here
+                self.state.aborted = True
+                return
+            yield event
 
-    def _rewrite(self, payload: str) -> bytes:
+    def _rewrite(self, payload: str) -> bytes | None:
+        """The event for the client, or None when D aborted the request."""
         try:
             event = json.loads(payload)
         except ValueError:
@@ -123,11 +138,16 @@ class Migration:
         if not isinstance(event, dict):
             self.state.resumable = False
             return f"data: {payload}\n\n".encode()
+        if is_aborted(event):
+            return None
         ids = event.pop(TOKEN_IDS_FIELD, None)
         if isinstance(ids, list):
             self.state.token_ids.extend(ids)
-        elif "error" not in event:
+        elif "error" not in event and _text_of(event):
+            # Text without its tokens: a D that announces no ids (vLLM). An event with no text (vLLM's role
+            # chunk) takes nothing from what a resume needs: the ids still spell the client's text.
             self.state.resumable = False
+        self._one_role(event)
         # One stream, one id: a resumed D names its events as the first D did.
         if isinstance(event.get("id"), str):
             self.state.first_id = self.state.first_id or event["id"]
@@ -135,6 +155,23 @@ class Migration:
         self.state.text_sent += len(_text_of(event))
         self.state.finished = self.state.finished or _finish_reason(event) is not None
         return f"data: {json.dumps(event)}\n\n".encode()
+
+    def _one_role(self, event: dict[str, Any]) -> None:
+        """A chat stream's first delta carries the role, and no other does, whichever D sent which."""
+        delta = _choice(event).get("delta")
+        if not isinstance(delta, dict):
+            return
+        if self.state.role_sent:
+            delta.pop("role", None)  # a resumed D's own role chunk: the client has one
+        else:
+            _choice(event)["delta"] = {"role": "assistant", **delta}
+            self.state.role_sent = True
+
+
+def is_aborted(body: Any) -> bool:
+    """An answer or a stream event in which D aborted the request (vLLM's finish_reason "abort": its
+    SIGTERM without --shutdown-timeout, or any other abort D made on its own)."""
+    return isinstance(body, dict) and _finish_reason(body) == "abort"
 
 
 def _choice(event: dict[str, Any]) -> dict[str, Any]:

@@ -49,7 +49,9 @@ class ProxyMetrics:
             "kvferry_proxy_requests", "Proxied requests by outcome", ["outcome"], registry=self.registry
         )
         self.migrations = Counter(
-            "kvferry_proxy_migrations", "Streams whose D died, by outcome (resumed on another D, or gave up)",
+            "kvferry_proxy_migrations",
+            "Answers whose D died mid-stream or aborted them, by outcome: resumed (a stream, on another D), "
+            "retried (an answer the client had none of, asked of another D), or gave up",
             ["outcome"], registry=self.registry,
         )
         self.ejections = Counter(
@@ -162,7 +164,7 @@ def build_proxy_app(
         stream = bool(body.get("stream"))
         if stream and migrations > 0:
             body = migrate.prepare(body)  # P and D see the same seed: P's first token stays D's
-        kv_failures = unreachable = 0
+        kv_failures = unreachable = aborted = 0
         last_p: PrefillTarget | None = None
         last_d: Instance | None = None
         for attempt in itertools.count():
@@ -178,13 +180,18 @@ def build_proxy_app(
             # Lets a client (or `kvferry chaos`) match the answer with the fault function's prediction.
             response.headers[TRANSFER_ID_HEADER] = transfer_id
             response.headers[ATTEMPTS_HEADER] = str(attempt + 1)
-            # Two budgets: KV-load failures (--retries) and instances that cannot be reached at all
-            # (--retry-unreachable). The next attempt avoids the instance that failed; it backs off only
+            # Three budgets: KV-load failures (--retries), instances that cannot be reached at all
+            # (--retry-unreachable), and D's that abort the request (--migrations: a stream's D that dies or
+            # aborts costs the same). The next attempt avoids the instance that failed; it backs off only
             # when no other healthy instance is left (a restarted one is coming up, or the one P is paused:
             # its next try should come after the pause, not within it).
             kv_failures += outcome is Outcome.KV_FAILED
             unreachable += outcome is Outcome.UNREACHABLE
-            if outcome is Outcome.DONE or kv_failures > retries or unreachable > retry_unreachable:
+            aborted += outcome is Outcome.ABORTED
+            if outcome is Outcome.ABORTED:
+                metrics.migrations.labels(outcome="retried" if aborted <= migrations else "gave_up").inc()
+            if (outcome is Outcome.DONE or kv_failures > retries or unreachable > retry_unreachable
+                    or aborted > migrations):
                 metrics.requests.labels(outcome=str(response.status_code)).inc()
                 return response
             metrics.requests.labels(outcome="retried").inc()
@@ -193,6 +200,8 @@ def build_proxy_app(
                 await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (unreachable - 1)))
             elif outcome is Outcome.KV_FAILED and prefills.healthy() <= 1:
                 await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (kv_failures - 1)))
+            elif outcome is Outcome.ABORTED and decodes.healthy() == 0:  # the only D is shutting down
+                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (aborted - 1)))
         raise AssertionError("unreachable")
 
     return app

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import json
 import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.connector.params import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.instances import Instance, InstancePool, PrefillTarget
-from kvferry.serving.migrate import Migration
+from kvferry.serving.migrate import Migration, is_aborted
 from kvferry.serving.protocol import error_body
 
 # Not relayed from D: hop-by-hop headers, and the ones the proxy's own server sets (no duplicates).
@@ -32,6 +33,7 @@ class Outcome(enum.Enum):
     DONE = "done"  # final: the client gets this answer
     KV_FAILED = "kv_failed"  # a KV-load failure before the first token (--retries)
     UNREACHABLE = "unreachable"  # an instance could not be reached or died (--retry-unreachable)
+    ABORTED = "aborted"  # D aborted the request (it is shutting down) before the client got any of it (--migrations)
 
 
 class PrefillConnections:
@@ -199,6 +201,11 @@ class Attempt:
                 return self._unreachable(self.decodes, self.decode, f"decode {self.decode.url} broke: {exc!r}")
             finally:
                 await d_response.aclose()
+            if b'"abort"' in content and is_aborted(_json(content)):
+                # vLLM's SIGTERM answers 200 with no token: nothing reached the client, another D is asked.
+                self.decodes.eject(self.decode, "it aborted a request")
+                message = f"decode {self.decode.url} aborted the request (shutting down?)"
+                return JSONResponse(error_body(message, "decode_aborted", 502), 502), Outcome.ABORTED
             return Response(content, 200, headers=headers), Outcome.DONE
         if self.migrations > 0:
             migration = Migration(self.client, self.decodes, self.body, self.path, self.migrations, self.on_migration)
@@ -256,6 +263,13 @@ async def _cancel(decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[ht
     if decode.done() and not decode.cancelled() and decode.exception() is None:
         with contextlib.suppress(httpx.HTTPError):
             await decode.result().aclose()
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:  # UnicodeDecodeError is one too
+        return None
 
 
 def _consume_exception(task: asyncio.Task[httpx.Response]) -> None:
