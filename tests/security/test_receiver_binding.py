@@ -26,7 +26,7 @@ from kvferry.connector.auth import (
     curve_client,
     prefill_receiver,
 )
-from kvferry.connector.messages import Heartbeat, HeartbeatAck, PullRequest, decode_response, encode
+from kvferry.connector.messages import Heartbeat, HeartbeatAck, NotMe, PullRequest, decode_response, encode
 from kvferry.harness.processes import HARNESS_SECRET
 from kvferry.harness.sampler import wait_drained
 from kvferry.transfer.base import ByteRange
@@ -134,11 +134,16 @@ class Insider:
         self.opener = Opener(SECRET, TO_DECODE, self.sealer.session)
 
     def replies_until_ack(self, timeout_s: float = 10.0) -> list[object]:
-        """P answers one connection in order: everything it said up to the ack of our own heartbeat."""
+        """P answers one connection in order: everything it said up to the ack of our own heartbeat (a
+        reply sealed for another session as the bytes of its receiver field)."""
         got: list[object] = []
         while not got or not isinstance(got[-1], HeartbeatAck):
             assert self.sock.poll(int(timeout_s * 1000)), f"no answer from P; so far {got}"
-            got.append(decode_response(self.opener.open(self.sock.recv())))
+            frame = self.sock.recv()
+            try:
+                got.append(decode_response(self.opener.open(frame)))
+            except WrongReceiver:
+                got.append(frame)
         return got
 
 
@@ -162,7 +167,12 @@ def test_a_message_sealed_for_p_rank_0_is_refused_at_rank_1(system: tuple[Proc, 
         at_rank1 = Insider(ctx, rank1, boot1)
         for data in (pull, ping, at_rank1.sealer.seal(encode(Heartbeat([])))):
             at_rank1.sock.send(data)
-        assert [type(m) for m in at_rank1.replies_until_ack()] == [HeartbeatAck], "rank 1 obeyed rank 0's message"
+        replies = at_rank1.replies_until_ack()
+        assert [type(m) for m in replies] == [bytes, bytes, HeartbeatAck], "rank 1 obeyed rank 0's message"
+        for frame in replies[:2]:  # all it says to D's socket: "not me", naming the receiver D sealed for
+            assert isinstance(frame, bytes)
+            said = decode_response(Opener(SECRET, TO_DECODE, d_socket.session).open(frame))
+            assert said == NotMe(d_socket.receiver or b""), said
         wait_until(lambda: dropped(p.url, "receiver") >= before + 2, 10, "rank 1 to count both refusals")
         assert insider.written(grant) == [], "P wrote KV for a message sealed for another rank"
         # The captured bytes are D's own: rank 0, their receiver, accepts them, and seals its ack for the

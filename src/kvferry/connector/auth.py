@@ -59,6 +59,11 @@ class WrongReceiver(AuthError):
 
     reason = "receiver"
 
+    def __init__(self, message: str, session: bytes = b"", receiver: bytes = b"") -> None:
+        super().__init__(message)
+        self.session = session  # the sender's (authentic: the MAC held)
+        self.receiver = receiver  # the socket it was sealed for
+
 
 class OldEnvelope(AuthError):
     """A kvferry control message in another envelope version: P and D run different releases."""
@@ -178,7 +183,7 @@ class Opener:
             raise AuthError("bad MAC (wrong or missing KVFERRY_SECRET)")
         # After the MAC: only a holder of the secret sealed it, for someone else.
         if not hmac.compare_digest(receiver, self.receiver or b""):
-            raise WrongReceiver("sealed for another receiver")
+            raise WrongReceiver("sealed for another receiver", session, receiver)
         if seq <= self._seen.get(session, 0):
             raise AuthError("replayed message")
         remember(self._seen, session, seq)

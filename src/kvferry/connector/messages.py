@@ -28,12 +28,15 @@ class Status(enum.IntEnum):
     ERROR = 2
 
 
-class PullRequest(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
+# Fields at their default are left out, so a P that predates one still reads every pull that does not
+# use it (it refuses unknown fields).
+class PullRequest(msgspec.Struct, tag="pull", forbid_unknown_fields=True, omit_defaults=True):
     transfer_id: str
     d_request_id: str
     d_transfer_addr: str  # host:port of D rank's TransferEngine
     grant_token: str  # D's open grant for exactly these blocks
-    block_ids: list[int]  # D's local block ids, one per prompt block; empty = release-only pull
+    # D's local block ids, one per prompt block from `first_block` on; empty = release-only pull
+    block_ids: list[int]
     d_num_blocks: int  # size of D's pool (same layout otherwise), so P can place and check D's ids
     d_tp_size: int
     d_tp_rank: int
@@ -43,6 +46,9 @@ class PullRequest(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
     d_layout: LayoutDescription | None = None  # D's own memory (bases, strides), when its layout has one
     # D's prompt, chained per block (`auth.prompt_digest`): P writes only KV of the prompt D decodes.
     prompt_digest: str = ""
+    # The prompt blocks D already holds (its prefix cache): `block_ids` name blocks from this prompt block
+    # on, in every KV cache group (`KVLayout.pull_positions`); the prompt digest still covers all of it.
+    first_block: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="hb", forbid_unknown_fields=True):
@@ -93,6 +99,17 @@ class HeartbeatAck(msgspec.Struct, tag="hb_ack", forbid_unknown_fields=True):
     working: list[str] = []  # transfer ids P still has queued or prefilling: keep waiting
 
 
+class NotMe(msgspec.Struct, tag="not_me", forbid_unknown_fields=True):
+    """P → a D socket that sealed for another receiver at this address (an earlier P process, whose
+    boot id it named): that process is gone, so D need not wait out any bound. Sealed for the D
+    session that sent it, so only that socket can act on it."""
+
+    receiver: bytes  # what D sealed for
+
+
+Outbound = PullResponse | HeartbeatAck | NotMe
+
+
 class _Ids(msgspec.Struct):
     """The ids of a message P could not accept, so its ERROR names what it is about."""
 
@@ -101,7 +118,7 @@ class _Ids(msgspec.Struct):
 
 
 _inbound_decoder = msgspec.msgpack.Decoder(Inbound)
-_response_decoder = msgspec.msgpack.Decoder(PullResponse | HeartbeatAck)
+_response_decoder = msgspec.msgpack.Decoder(Outbound)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -143,5 +160,5 @@ def salvage_ids(data: bytes) -> tuple[str, str]:
     return ids.transfer_id, ids.d_request_id
 
 
-def decode_response(data: bytes) -> PullResponse | HeartbeatAck:
+def decode_response(data: bytes) -> Outbound:
     return _decode(_response_decoder, data)

@@ -1,33 +1,29 @@
 """One DEALER socket from a D rank to a P rank: routes replies to waiting pulls and watches P's liveness.
 
-A dead P is noticed three ways:
-- libzmq's own ZMTP heartbeat (issue 32.6): D's I/O thread pings every `--heartbeat-interval`, P's
-  answers without its interpreter, so a stopped or hung *process* loses the connection after
-  `--heartbeat-timeout`, while a P whose Python is starved of the GIL or the CPU keeps it;
+A dead P is noticed three ways; a live one is never failed for being slow:
+- libzmq's own ZMTP heartbeat: D's I/O thread pings every `--heartbeat-interval`, P's answers without
+  its interpreter, so a stopped or hung *process* loses the connection after `--heartbeat-timeout`,
+  while a P whose Python is starved of the GIL or the CPU keeps it;
 - an established connection that closes is judged by what libzmq's re-dial (every `RECONNECT_MS`)
-  meets: refused (the port is closed: the process is gone, a kill -9 is seen in ~10 ms) → dead at once;
-  a completed ZMTP handshake (P's I/O thread answers: alive, not stopped) → the pulls go on; neither by
-  the bound → dead. The bound is what P's recent ack round trips allow (`liveness.DelayEstimator`,
-  floor `--heartbeat-timeout`), counted from the last sign of P: its last answer, or a ZMTP timeout
-  before the drop (libzmq's pings were answered until then, however long P's Python had been silent):
-  on an idle box a SIGSTOP'd P is dead as its connection drops, while after slow acks (a loaded box, a
-  whole process starved of the CPU so that its I/O thread missed the ZMTP timeout) a longer gap is
-  ridden out. Across the re-dial nothing is lost: the DEALER's routing id is fixed (P's ROUTER hands it
-  over to the new connection), and D sends every pull it still waits on again; P answers a repeated
-  pull idempotently (the write in flight: CONTINUE; done: its remembered answer). Until P answers after
-  the re-dial the bound still holds: a *new* P process at the same address refuses what we seal and so
-  is dead by it. A connection that closes inside its handshake proves nothing (libzmq dials again; a P
-  that never completes one is dead by the ceiling). A *first* dial refused is a gone P rank too (P's
-  bootstrap server still names a rank whose process died: ranks bind before they register): dead at
-  once, not at the receive timeout;
-- silence of P's Python (the request does not progress): a heartbeat left unanswered past its bound.
-  With the ZMTP heartbeat that bound is the ceiling (`--heartbeat-ceiling`), and while the connection
-  lives P's process is known alive (its I/O thread answers libzmq's pings): the waiting pulls fail as
-  `deadline` (no progress), not `peer_dead`: a GIL- or CPU-starved P is never called dead (issue 32.6).
-  Without it (a ceiling at or below the timeout: fixed thresholds) the bound is what P's recent ack
-  round trips allow, and silence is all we know: `peer_dead`. Silence counts from the oldest heartbeat
-  P has not answered, never from P's last answer: when D's own loop lags and sends nothing, P is not
-  silent.
+  meets, counted from the drop: refused (the port is closed: the process is gone, a kill -9 is seen in
+  ~10 ms) → dead at once; a completed ZMTP handshake (P's I/O thread answers: alive, not stopped) → the
+  pulls go on; neither within the bound P's recent ack round trips allow (`liveness.DelayEstimator`,
+  floor `--heartbeat-timeout`) → dead: a SIGSTOP'd P is dead a ZMTP timeout plus that bound after it
+  stopped. How long P's Python was silent before the drop does not count: a starved D (its own I/O
+  thread late to read P's pongs) drops connections to live peers too. Across the re-dial nothing is
+  lost: the DEALER's routing id is fixed (P's ROUTER hands it over to the new connection), and D sends
+  every pull it still waits on again; P answers a repeated pull idempotently (the write in flight:
+  CONTINUE; done: its remembered answer). A *new* P process at the same address cannot open what we
+  sealed for the old one and says so (a `NotMe` reply, sealed for our session): dead at once. A
+  connection that closes inside its handshake proves nothing (libzmq dials again; a P that never
+  completes one is dead by the ceiling). A *first* dial refused is a gone P rank too (P's bootstrap
+  server still names a rank whose process died: ranks bind before they register): dead at once;
+- silence of P's Python: while libzmq says P's process answers, silence is slowness, not death; the
+  pulls wait until each request's own deadline (`kv_load_deadline_s`, failing as `deadline` with the
+  stage named) unless P itself answers that it cannot serve. Without the ZMTP heartbeat (a ceiling at
+  or below the timeout: fixed thresholds) silence is all we know: a heartbeat left unanswered past what
+  P's recent ack round trips allow is `peer_dead`. Silence counts from the oldest heartbeat P has not
+  answered, never from P's last answer: when D's own loop lags and sends nothing, P is not silent.
 """
 
 from __future__ import annotations
@@ -58,6 +54,7 @@ from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,
     MessageError,
+    NotMe,
     PullResponse,
     Status,
     decode_response,
@@ -117,9 +114,6 @@ class Dealer:
         # Process liveness is libzmq's, so our Python silence may wait for the ceiling (adaptive only).
         zmtp = watch_connection and ping_s > 0
         self.zmtp = zmtp and self.silence.adaptive
-        # With libzmq's pings, an established connection proves P's process answered until at most this
-        # long before it dropped (its heartbeat timeout).
-        self._zmtp_timeout_s = self.silence.floor if zmtp else None
         if zmtp:
             ping_ms, timeout_ms = max(1, int(ping_s * 1000)), max(1, int(self.silence.floor * 1000))
             self.sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
@@ -138,7 +132,7 @@ class Dealer:
         self.connected = False  # an established connection to P (known only when the connection is watched)
         # When an established connection closed, until P answers after libzmq's re-dial (None: unbroken).
         self.dropped: float | None = None
-        self._handshook = self.last_seen  # the last completed ZMTP handshake: P's process answered then
+        self.slow_since = 0.0  # when P's process answered but its Python stayed silent past the bound (0: not)
         self._ever_connected = False  # a first dial refused is a gone P rank, as a refused re-dial is
         self._at_least = 0.0  # the least bound our own loop's lag allows (from the last heartbeat tick)
         # P judged dead after its connection closed (the re-dial refused, or nothing by the bound): this
@@ -194,27 +188,31 @@ class Dealer:
             self.last_seen = now  # P did answer; our reader is just behind (a busy D)
         silent = self.silent_for(now)
         if silent > limit:
-            if self.zmtp and self.connected and self.dropped is None:  # libzmq: P's process answers
-                self._dead(f"P at {self.addr} {ALIVE_BUT_SILENT} for {silent:.1f}s (progress bound {limit:.1f}s): "
-                           "starved or hung", "deadline")
-            else:
+            if not (self.zmtp and self.connected):
                 self._dead(f"P at {self.addr} silent for {silent:.1f}s (heartbeat timeout {limit:.1f}s)")
-            return
+                return
+            # libzmq says P's process answers (its pings, or a re-dial it completed): slow, not dead.
+            # Only each request's own deadline, or P's own answer, ends the pulls waiting here.
+            if not self.slow_since:
+                self.slow_since = now
+                log.warning("P at %s %s for %.1fs: waiting on it until each request's own deadline",
+                            self.addr, ALIVE_BUT_SILENT, silent)
+        elif self.slow_since:
+            self.slow_since = 0.0
         self.send_raw(encode(Heartbeat(sorted({tid for tid, _ in self.waiters}), lease_s)))
         self._pings.append(now)
 
     def _judge(self, now: float) -> None:
-        """After the connection dropped: P is dead once nothing was heard of it (a reply, a completed
-        handshake, or the start of the current wait) for longer than its recent round trips allow."""
-        if self.lost or self.dropped is None:
+        """After the connection dropped and until libzmq's re-dial completes a handshake: P is dead once
+        the re-dial has not reached its process for longer than its recent round trips allow, counted
+        from the drop. How long P's Python was silent before the drop says nothing about its process
+        (a starved D drops live connections too); a completed handshake says it lives."""
+        if self.lost or self.dropped is None or self.connected:
             return
         limit = max(self.silence.threshold(), self._at_least)
-        heard = max(self.last_seen, self._handshook, self.waiting_since or self.last_seen)
-        if self._zmtp_timeout_s is not None:  # the process lived until about a ZMTP timeout before the drop
-            heard = max(heard, self.dropped - self._zmtp_timeout_s)
-        if now - heard > limit:
+        if now - self.dropped > limit:
             self._lose(f"P at {self.addr} unreachable for {now - self.dropped:.1f}s after its connection dropped "
-                       f"(last heard {now - heard:.1f}s ago, bound {limit:.1f}s)")
+                       f"(re-dial bound {limit:.1f}s)")
 
     def _lose(self, reason: str) -> None:
         self.lost = True
@@ -248,6 +246,10 @@ class Dealer:
                 if self.on_forged is not None and isinstance(exc, AuthError):
                     self.on_forged()
                 continue
+            if isinstance(message, NotMe):
+                if message.receiver == self.receiver and not self.lost:
+                    self._lose(f"P at {self.addr} restarted: a new process answers at its address")
+                continue
             self.last_seen = asyncio.get_running_loop().time()
             if self.connected and self.dropped is not None and not self.lost:
                 self.dropped = None  # P answered on the re-dialled connection: the same process, alive
@@ -275,7 +277,7 @@ class Dealer:
             event = parse_monitor_message(await monitor.recv_multipart())
             now = asyncio.get_running_loop().time()
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected, self._handshook, self._ever_connected = True, now, True
+                self.connected, self._ever_connected = True, True
                 self._pings.clear()  # their acks went with the old connection (or the old process)
                 if self.dropped is not None and not self.lost:
                     log.info("connection to P at %s re-established; its pulls are sent again", self.addr)

@@ -31,6 +31,7 @@ from kvferry.connector.auth import (
     AuthError,
     Opener,
     Sealer,
+    WrongReceiver,
     boot_id,
     prefill_receiver,
     remember,
@@ -42,6 +43,8 @@ from kvferry.connector.messages import (
     HeartbeatAck,
     Inbound,
     MessageError,
+    NotMe,
+    Outbound,
     PullRequest,
     PullResponse,
     Release,
@@ -90,7 +93,7 @@ class RankLoop(threading.Thread):
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._outbox: deque[tuple[bytes, PullResponse | HeartbeatAck]] = deque()
+        self._outbox: deque[tuple[bytes, Outbound]] = deque()
         # D seals for the address it dialled, which is the one we advertise, and for this process's boot
         # id (both from our bootstrap answer): what D sealed for an earlier P at this address is refused.
         # We answer the D session we heard from on each connection (ROUTER identity → session), so no
@@ -107,7 +110,7 @@ class RankLoop(threading.Thread):
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"\0")
 
-    def reply(self, identity: bytes, message: PullResponse | HeartbeatAck) -> None:
+    def reply(self, identity: bytes, message: Outbound) -> None:
         self._outbox.append((identity, message))
         self.wake()
 
@@ -174,7 +177,7 @@ class RankLoop(threading.Thread):
             identity, message = self._outbox.popleft()
             self._guard("reply", functools.partial(self._send, identity, message))
 
-    def _send(self, identity: bytes, message: PullResponse | HeartbeatAck) -> None:
+    def _send(self, identity: bytes, message: Outbound) -> None:
         # With the secret an unknown session (evicted from the LRU) raises: logged and counted by _guard.
         sealed = self._sealer.seal(encode(message), self._sessions.get(identity))
         self.sock.send_multipart([identity, sealed], zmq.NOBLOCK)
@@ -223,6 +226,12 @@ class RankLoop(threading.Thread):
     def _on_message(self, identity: bytes, sealed: bytes) -> None:
         try:
             session, data = self._opener.unseal(sealed)
+        except WrongReceiver as exc:
+            self._refuse(identity, sealed, exc.reason, str(exc))
+            if exc.session:  # a holder of the secret sealed it for another process (an earlier one here)
+                remember(self._sessions, identity, exc.session)
+                self.reply(identity, NotMe(exc.receiver))
+            return
         except AuthError as exc:
             self._refuse(identity, sealed, exc.reason, str(exc))
             return
@@ -258,8 +267,14 @@ class RankLoop(threading.Thread):
         if overlap(spec.num_kv_heads, self.shared.tp_size, self.rank, pull.d_tp_size, pull.d_tp_rank,
                    spec.replicated) is None:
             return f"D rank {pull.d_tp_rank} shares no KV heads with P rank {self.rank}"
-        if pull.block_ids and len(pull.block_ids) != spec.blocks_for(pull.num_tokens):
-            return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens"
+        prompt_blocks = max(0, -(-pull.num_tokens // spec.block_size))
+        if pull.first_block and not 0 <= pull.first_block < prompt_blocks:
+            return f"first_block {pull.first_block} out of range [0, {prompt_blocks}) for {pull.num_tokens} tokens"
+        if pull.block_ids:
+            if spec.blocks_for(pull.num_tokens) > spec.num_blocks:  # never P's prompt; and bounds the list below
+                return f"{pull.num_tokens} tokens take more blocks than P's pool of {spec.num_blocks}"
+            if len(pull.block_ids) != len(spec.pull_positions(pull.num_tokens, pull.first_block)):
+                return f"{len(pull.block_ids)} block ids for {pull.num_tokens} tokens from block {pull.first_block}"
         if len(set(pull.block_ids)) != len(pull.block_ids):
             return "duplicate block ids"
         if any(not 0 <= b < pull.d_num_blocks for b in pull.block_ids):
@@ -289,7 +304,10 @@ class RankLoop(threading.Thread):
             msg = "injected: P lists the request as failed"
             self.reply(identity, _response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=msg, injected=True))
             return
-        v = self.shared.table.begin_pull(pull, self.rank, now, park=fault == "p_not_ready", drop=fault == "drop_reply")
+        # The entries of the transfer's blocks D's ids stand for (past D's prefix-cache hit).
+        positions = self.shared.layout.pull_positions(pull.num_tokens, pull.first_block) if pull.block_ids else []
+        v = self.shared.table.begin_pull(pull, self.rank, now, positions, park=fault == "p_not_ready",
+                                         drop=fault == "drop_reply")
         if v.kind == "ended":  # a late pull: P already let this transfer go; say so now, not at a timeout
             if pull.block_ids:
                 self.reply(identity, _response(pull, Status.ERROR, cause="expired",
