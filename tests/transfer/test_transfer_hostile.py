@@ -172,3 +172,40 @@ def test_unauthenticated_speed_path_is_unchanged(engines: Make) -> None:
     assert tags is None
     sock.sendall(message(token, [("dst", 0, 16)]) + os.urandom(16))
     assert read_reply(sock)[:2] == (wire.Status.OK, wire.Code.OK)
+
+
+def test_a_peer_whose_handshake_outlasts_the_strangers_bound_is_dialled_again(
+        engines: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver cuts a handshake after `handshake_timeout`, as it would a stranger's; a sender
+    starved of the CPU for longer (a busy vLLM worker's) is a live peer, not a refused one: it dials
+    again within its write's deadline and the write lands."""
+    secret = bytes(range(32))
+    a = engines(secret=secret)
+    b = engines(secret=secret, limits=FAST)
+    src = pattern(MiB, 2)
+    a.register("src", src)
+    b.register("dst", dst := np.zeros(MiB, np.uint8))
+    token = b.open_grant([ByteRange("dst", 0, MiB)])
+    real = tcp_client.client_handshake
+    starved = [FAST.handshake_timeout + 0.3]  # the first handshake only
+
+    def slow_handshake(sock: socket.socket, peer: str, key: bytes | None, deadline: float) -> object:
+        if starved:
+            time.sleep(starved.pop())  # the server cuts this one meanwhile
+        return real(sock, peer, key, deadline)
+
+    monkeypatch.setattr(tcp_client, "client_handshake", slow_handshake)
+    _write(a, b, token)
+    assert np.array_equal(dst[:65536], src[:65536])
+    assert a.stats["handshake_retries"] == 1 and b.stats["handshake_timeouts"] == 1
+
+
+def test_a_refused_handshake_is_not_dialled_again(engines: Make) -> None:
+    a = engines(secret=os.urandom(32))  # not b's secret
+    b = engines(secret=bytes(range(32)), limits=FAST)
+    b.register("dst", np.zeros(MiB, np.uint8))
+    a.register("src", pattern(MiB, 2))
+    token = b.open_grant([ByteRange("dst", 0, MiB)])
+    with pytest.raises(Exception, match="refused the handshake"):
+        _write(a, b, token)
+    assert a.stats["handshake_retries"] == 0

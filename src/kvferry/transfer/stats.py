@@ -25,6 +25,7 @@ COUNTERS = (
     "connections_opened",
     "idle_retired",  # sender: pooled connections closed after Limits.client_idle unused
     "stale_retries",  # sender: a pooled connection was found closed before any reply; retried once
+    "handshake_retries",  # sender: the server cut a handshake (a starved peer, or us); dialled again
     "bytes_sent",  # sender side, updated per sendmsg call (tests watch it to see a write in flight)
 )
 

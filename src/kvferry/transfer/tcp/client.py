@@ -30,6 +30,8 @@ from kvferry.transfer.tcp.plan import Message
 
 E = TransferErrorCause
 MAX_IDLE_PER_PEER = 8
+# A handshake the server cut is dialled again after this, doubling up to the max.
+HANDSHAKE_BACKOFF_S, HANDSHAKE_BACKOFF_MAX_S = 0.05, 1.0
 
 
 @dataclass(eq=False)
@@ -45,6 +47,14 @@ class _Link:
 
 class _Stale(Exception):
     """A pooled connection the server had closed before this write reached it."""
+
+
+class _CutHandshake(Exception):
+    """The server closed a connection inside its handshake (its bound for unproven connections ran out)."""
+
+    def __init__(self, error: TransferError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class TcpClient:
@@ -111,6 +121,22 @@ class TcpClient:
 
     # -- connection -----------------------------------------------------------------------------
     def _connect(self, peer: str, deadline: float, token: str = "") -> _Link:
+        """A fresh, authenticated connection. A handshake the server cut (it closed the connection, or
+        it stopped answering) is tried again on a new connection until `deadline`: the server bounds a
+        handshake as it would a stranger's, and a live peer starved of the CPU (or this process) can
+        outlast that bound. An explicit refusal (wrong secret, a relay) is final."""
+        backoff = HANDSHAKE_BACKOFF_S
+        while True:
+            try:
+                return self._connect_once(peer, deadline, token)
+            except _CutHandshake as cut:
+                if self._closed or remaining(deadline) <= backoff:
+                    raise cut.error from cut.__cause__
+            self._stats.add("handshake_retries")
+            time.sleep(backoff)
+            backoff = min(2 * backoff, HANDSHAKE_BACKOFF_MAX_S)
+
+    def _connect_once(self, peer: str, deadline: float, token: str) -> _Link:
         host, port = split_addr(peer)
         try:
             addr = (host, int(port))
@@ -138,7 +164,10 @@ class TcpClient:
             self._discard(link)
             if self._closed:
                 raise TransferError(E.CLOSED, "engine closed") from e
-            raise TransferError(E.REFUSED, f"handshake with {peer} failed: {e or 'closed'}") from e
+            error = TransferError(E.REFUSED, f"handshake with {peer} failed: {e or 'closed'}")
+            if link.aborted:  # our own abort of this write: final
+                raise error from e
+            raise _CutHandshake(error) from e
         except BaseException:
             self._discard(link)
             raise
