@@ -182,6 +182,13 @@ def test_frame_over_the_zmq_limit_drops_only_that_connection(rig: Rig) -> None:
         ([-1], {}, "out of range"),
         ([2, 2], {}, "duplicate"),
         ([1, 2], {"num_tokens": 40}, "block ids for"),
+        ([1], {"num_tokens": 1 << 60}, "more blocks than P's pool"),
+        # Past D's prefix-cache hit: a first block inside the prompt, and as many ids as blocks after it.
+        ([1], {"num_tokens": 8, "first_block": -1}, "first_block -1 out of range [0, 2)"),
+        ([1], {"num_tokens": 8, "first_block": 2}, "first_block 2 out of range [0, 2)"),
+        ([1], {"num_tokens": 8, "first_block": 1 << 62}, "out of range"),
+        ([], {"num_tokens": 8, "first_block": 5}, "out of range"),
+        ([1, 2], {"num_tokens": 8, "first_block": 1}, "2 block ids for 8 tokens from block 1"),
         ([1], {"d_tp_size": 3}, "does not divide"),
         ([1], {"d_tp_rank": 5}, "out of range"),
     ],
@@ -196,6 +203,21 @@ def test_bad_block_ids_and_layouts_get_error_and_nothing_written(rig: Rig, block
     rig.sock.send(encode(Release([tid])))  # what D does after a failed pull
     rig.wait_no_transfers()
     assert f"p-{tid}" in rig.producer.drain_finished()
+
+
+def test_pull_past_ds_prefix_hit_writes_only_the_blocks_after_it(rig: Rig) -> None:
+    """D holds the prompt's first block already: it names one block, and P writes its second block
+    there, with the checksum of that block alone, and nothing else."""
+    rig.producer.add_ready("past-hit", "p-past-hit", [5, 6], 2 * SPEC.block_size)
+    before = rig.d_kv.copy()
+    reply = rig.ask(rig.pull("past-hit", [9], num_tokens=2 * SPEC.block_size, first_block=1))
+    assert reply.status == Status.FINISH and reply.ok_reqs == ["d-past-hit"], reply
+    assert reply.bytes_written == SPEC.block_bytes and len(reply.checksums) == 1
+    np.testing.assert_array_equal(rig.d_kv[9], rig.p_kv[6])
+    untouched = [b for b in range(SPEC.num_blocks) if b != 9]
+    np.testing.assert_array_equal(rig.d_kv[untouched], before[untouched])
+    rig.wait_no_transfers()
+    rig.check_still_serving()
 
 
 def test_unknown_transfer_is_answered_not_ready_after_abort_timeout(rig: Rig) -> None:

@@ -233,18 +233,20 @@ def test_staged_blocks_are_in_place_when_reported(make_pd: Any, faults: str) -> 
     pd.assert_empty()
 
 
-def test_local_prefix_hit_on_d_computes_locally_and_releases_p(make_pd: Any) -> None:
+def test_same_prompt_again_pulls_only_the_block_past_ds_hit(make_pd: Any) -> None:
     pd = make_pd()
     _, params = pd.prefill(PROMPT)
     first = pd.d.add(PROMPT, 2, params)
     decode_to_end(pd, first.request_id)
-    # Same prompt again: D's prefix cache holds its blocks, so D does not pull; P's blocks are released.
+    # Same prompt again: D's prefix cache holds its 5 whole blocks, so D pulls only the last one
+    # (test_vllm_prefix_hit.py: multi-turn prompts, failures, groups).
     p_req, params = pd.prefill(PROMPT)
     second = pd.d.add(PROMPT, 2, params)
     out = decode_to_end(pd, second.request_id)
     assert out.finish_reason == FinishReason.LENGTH
     assert pd.d.tokens(second.request_id) == pd.d.tokens(first.request_id)
-    assert pd.d.received == [first.request_id]
+    assert (second.request_id, len(PROMPT) - 5 * BLOCK_SIZE) in pd.d.alloc_calls
+    assert pd.d.received == [first.request_id, second.request_id]
     pd.assert_empty()
     assert p_req in pd.p.sent
 

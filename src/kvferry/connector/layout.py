@@ -168,6 +168,11 @@ class KVLayout(abc.ABC):
         hybrid KV cache lists each group's blocks that move, vllm_groups.py)."""
         return -(-num_tokens // self.block_size)
 
+    def pull_positions(self, num_tokens: int, first_block: int) -> list[int]:
+        """Which entries of a `num_tokens` prompt's block list (the `blocks_for` blocks, in order) a pull
+        names when the puller already holds the prompt's first `first_block` blocks: those from there on."""
+        return list(range(first_block, self.blocks_for(num_tokens)))
+
     def peer_mismatch(self, peer: LayoutDescription) -> str | None:
         """Why a peer's memory cannot take our blocks position for position (None: it can)."""
         ours = self.describe()

@@ -118,17 +118,28 @@ class PDScheduler:
         params = request.kv_transfer_params or {}
         if num_external_tokens == 0 or not self.is_decode or not params.get("do_remote_prefill"):
             return
+        first = self.first_block(request, num_external_tokens)
         num_prompt_blocks = -(-request.num_prompt_tokens // self.config.block_size)
-        self.pull(request, list(block_ids[:num_prompt_blocks]))
+        self.pull(request, list(block_ids[first:num_prompt_blocks]), first)
 
-    def pull(self, request: RequestLike, block_ids: list[int]) -> None:
-        """Pull the prompt's KV into exactly `block_ids` (vLLM's hybrid KV cache: each group's blocks)."""
+    def first_block(self, request: RequestLike, num_external_tokens: int) -> int:
+        """The prompt blocks the request holds already (a prefix-cache hit): the tokens before the
+        `num_external_tokens` this side asked for, always whole blocks."""
+        hit = request.num_prompt_tokens - num_external_tokens
+        if hit < 0 or hit % self.config.block_size:
+            raise ValueError(f"request {request.request_id}: {num_external_tokens} external tokens of a "
+                             f"{request.num_prompt_tokens}-token prompt leave no whole-block prefix")
+        return hit // self.config.block_size
+
+    def pull(self, request: RequestLike, block_ids: list[int], first_block: int = 0) -> None:
+        """Pull the prompt's KV from prompt block `first_block` on into exactly `block_ids` (vLLM's
+        hybrid KV cache: each group's blocks)."""
         self._pulling.add(request.request_id)
-        self._to_pull.append(self._pull_spec(request, block_ids))
+        self._to_pull.append(self._pull_spec(request, block_ids, first_block))
 
-    def _pull_spec(self, request: RequestLike, block_ids: list[int]) -> PullSpec:
+    def _pull_spec(self, request: RequestLike, block_ids: list[int], first_block: int = 0) -> PullSpec:
         params = request.kv_transfer_params or {}
-        digest = self._digest(request) if block_ids else ""
+        digest = self._digest(request) if block_ids else ""  # of the whole prompt, whatever D holds
         return PullSpec(
             request.request_id,
             str(params["transfer_id"]),
@@ -137,6 +148,7 @@ class PDScheduler:
             str(params["remote_bootstrap_addr"]),
             request.num_prompt_tokens,
             digest,
+            first_block,
         )
 
     def _digest(self, request: RequestLike) -> str:

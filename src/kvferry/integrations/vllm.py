@@ -29,7 +29,10 @@ What vLLM's scheduler requires, and how it is met here:
   null block). With several groups vLLM 0.33 refuses block-level load errors, so a failed load is the
   request in `failed_recving` (`get_transfer_results`): `fail` ends it, `recompute` computes its whole
   prompt again. Mamba/SSM state groups and other special specs are refused at start, by name;
-- `update_state_after_alloc` called again with 0 external tokens after an async load is ignored.
+- `update_state_after_alloc` called again with 0 external tokens after an async load is ignored;
+- a prefix-cache hit on D (`num_computed_tokens` > 0, whole blocks): the connector answers the prompt's
+  tokens past it, and D pulls only those blocks (the pull's `first_block`); vLLM's block ids with load
+  errors are then among them, so `recompute` keeps the hit.
 
 What kvferry requires of vLLM's scheduler, and where it comes from:
 - P must know a transfer is coming from the moment its request is queued (`PDConnector.on_request_added`):

@@ -11,7 +11,9 @@ Which blocks move: every prompt block of a full-attention group, and of a slidin
 inside the window of the prompt's last token. vLLM's D allocates exactly those (the skipped ones point at
 its null block, id 0) and P holds at least those, so both sides list the same positions in the same
 order without asking each other (`KVGroups.transfer_ids`); P's and D's block counts are checked against
-`KVGroups.blocks_for`.
+`KVGroups.blocks_for`. Past a prefix-cache hit on D only each group's blocks from the hit on move (a
+sliding-window group's from its window's first block, if that is later): D lists those, P finds them
+in its own list (`KVGroups.pull_positions`).
 
 Not supported, refused at start by name: mamba/SSM state groups (their state is one slot per request,
 not per token block), chunked local attention, cross attention and other special specs, groups with
@@ -90,17 +92,31 @@ class KVGroups:
         n = -(-num_tokens // self.block_size)
         return sum(n - min(n, g.first_block(num_tokens, self.block_size)) for g in self.groups)
 
+    def pull_positions(self, num_tokens: int, first_block: int) -> list[int]:
+        """Which entries of the `blocks_for` list a pull names when D already holds the prompt's first
+        `first_block` blocks (its prefix cache): per group the blocks from `first_block` or from its
+        window's first block, whichever is later."""
+        n = -(-num_tokens // self.block_size)
+        out: list[int] = []
+        offset = 0  # where this group's blocks start in the list
+        for group in self.groups:
+            first = min(n, group.first_block(num_tokens, self.block_size))
+            out += range(offset + max(first, first_block) - first, offset + n - first)
+            offset += n - first
+        return out
+
     def transfer_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int, num_blocks: int,
-                     side: str) -> list[int]:
+                     side: str, first_block: int = 0) -> list[int]:
         """The virtual ids of the blocks a `num_tokens` prompt moves, from vLLM's per-group block ids
-        (at least the prompt's blocks per group); ValueError where a block that must move is vLLM's
-        null block or missing (`side` names whose blocks, for the message)."""
+        (at least the prompt's blocks per group), from prompt block `first_block` on (D's prefix-cache
+        hit: the blocks before it are D's own); ValueError where a block that must move is vLLM's null
+        block or missing (`side` names whose blocks, for the message)."""
         if len(block_ids) != len(self.groups):
             raise ValueError(f"{side}: {len(block_ids)} block lists for {len(self.groups)} KV cache groups")
         n = -(-num_tokens // self.block_size)
         out: list[int] = []
         for g, (group, ids) in enumerate(zip(self.groups, block_ids, strict=True)):
-            first = min(n, group.first_block(num_tokens, self.block_size))
+            first = min(n, max(first_block, group.first_block(num_tokens, self.block_size)))
             wanted = list(ids[first:n])
             if len(wanted) != n - first or NULL_BLOCK in wanted:
                 raise ValueError(f"{side}: KV cache group {g} has blocks {list(ids[:n])} for a {num_tokens}-token "

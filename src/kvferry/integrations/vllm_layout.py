@@ -182,6 +182,11 @@ class VllmKVLayout(KVLayout):
     def blocks_for(self, num_tokens: int) -> int:
         return super().blocks_for(num_tokens) if self.groups is None else self.groups.blocks_for(num_tokens)
 
+    def pull_positions(self, num_tokens: int, first_block: int) -> list[int]:
+        if self.groups is None:
+            return super().pull_positions(num_tokens, first_block)
+        return self.groups.pull_positions(num_tokens, first_block)
+
     def _add_layer(self, name: str, cache: Any) -> StridedSegment:
         import torch
 

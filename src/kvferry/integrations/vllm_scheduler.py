@@ -163,10 +163,12 @@ class KVFerryScheduler:
         if decode is None:
             return 0, False
         view = self._view(request)
-        if num_computed_tokens > 0 and (view.kv_transfer_params or {}).get("do_remote_prefill"):
-            # kvferry pulls a prompt's blocks from its first block on: with a local prefix-cache hit the
-            # request computes the rest locally, and P's blocks are released when it finishes.
+        if num_computed_tokens % decode.config.block_size:
+            # A pull starts on a block edge (vLLM 0.33 hands over block-aligned hits): with a hit that
+            # ends inside a block the request computes the rest locally, and P's blocks are released
+            # when it finishes.
             return 0, False
+        # With a local prefix-cache hit D pulls only the prompt's blocks past it (`first_block`).
         return decode.get_num_new_matched_tokens(view, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -179,12 +181,14 @@ class KVFerryScheduler:
             (block_ids,) = blocks.get_block_ids()
             decode.update_state_after_alloc(view, block_ids, num_external_tokens)
         elif (view.kv_transfer_params or {}).get("do_remote_prefill"):
-            try:
-                ids = self.groups.transfer_ids(blocks.get_block_ids(), view.num_prompt_tokens, self.num_blocks, "D")
+            try:  # past D's prefix-cache hit, in every group (a sliding window's from the hit at the earliest)
+                first = decode.scheduler.first_block(view, num_external_tokens)
+                ids = self.groups.transfer_ids(blocks.get_block_ids(), view.num_prompt_tokens, self.num_blocks, "D",
+                                               first)
             except ValueError as exc:  # vLLM allocated other blocks than its sliding window skips: a bug
                 raise RuntimeError(f"request {request.request_id}: vLLM's blocks do not match its KV cache "
                                    f"groups' windows: {exc}") from exc
-            decode.scheduler.pull(view, ids)
+            decode.scheduler.pull(view, ids, first)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFerryConnectorMetadata:
         self._step += 1

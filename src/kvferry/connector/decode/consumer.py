@@ -218,6 +218,7 @@ class Consumer:
                 want_checksums=self.config.checksums,
                 d_layout=self.layout.describe(),
                 prompt_digest=pull.spec.prompt_digest,
+                first_block=pull.spec.first_block,
             )
             data = encode(request)
             if len(data) > MAX_MESSAGE_BYTES:  # P would refuse it; a huge frame would cost every pull

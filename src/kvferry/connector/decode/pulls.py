@@ -26,8 +26,9 @@ class PullSpec:
     block_ids: list[int]  # empty: release-only pull (P just frees its blocks)
     engine_id: str
     bootstrap_addr: str
-    num_tokens: int
+    num_tokens: int  # the whole prompt's
     prompt_digest: str = ""  # auth.prompt_digest of D's prompt: P checks it names what it computed
+    first_block: int = 0  # the prompt blocks D holds already (prefix cache): `block_ids` start after them
 
 
 @dataclass(frozen=True)

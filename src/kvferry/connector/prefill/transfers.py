@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvferry.connector.auth import remember
@@ -233,9 +233,11 @@ class TransferTable:
             t.expires = now + lease_s
         t.leased = True
 
-    def begin_pull(self, pull: PullRequest, p_rank: int, now: float, park: bool = False, drop: bool = False) -> Verdict:
+    def begin_pull(self, pull: PullRequest, p_rank: int, now: float, positions: Sequence[int] | None = None,
+                   park: bool = False, drop: bool = False) -> Verdict:
         """What to do with a pull (`park`: wait even if ready; `drop`: never answer — injected faults).
-        A "write" verdict holds a `Write`: the blocks stay until its `write_done`."""
+        `positions`: the entries of the transfer's blocks that D's block ids stand for, in order (default:
+        the first ones). A "write" verdict holds a `Write`: the blocks stay until its `write_done`."""
         with self.lock:
             answer = self._answers.get((pull.transfer_id, p_rank, pull.d_tp_rank, pull.grant_token))
             if answer is not None and answer.d_request_id == pull.d_request_id:
@@ -273,13 +275,14 @@ class TransferTable:
                 if t.num_tokens != pull.num_tokens:
                     return Verdict("mismatch", f"P computed {t.num_tokens} prompt tokens, D has {pull.num_tokens}")
                 return Verdict("mismatch", "D's prompt token ids differ from those P computed")
-            if len(t.block_ids) < len(pull.block_ids):
+            wanted = range(len(pull.block_ids)) if positions is None else positions
+            if len(wanted) != len(pull.block_ids) or any(not 0 <= i < len(t.block_ids) for i in wanted):
                 self.doom(t, "failed")
                 return Verdict("short", "P num blocks less than D")
             t.d_tp = pull.d_tp_size
             w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr, pull.grant_token)
             t.writes.add(w)
-            return Verdict("write", write=w, blocks=list(t.block_ids), first_token=t.first_token)
+            return Verdict("write", write=w, blocks=[t.block_ids[i] for i in wanted], first_token=t.first_token)
 
     def give_up(self, transfer_id: str) -> None:
         """A parked pull waited its whole abort timeout and P is not working on the request."""
