@@ -75,6 +75,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--prefill-allow", action="append", default=None, metavar="HOST_OR_CIDR[:PORT]",
                    help="decode: bootstrap servers D may pull from: a host or CIDR, any port unless one is "
                         "given ([IPv6]:PORT); repeatable; default loopback, any port")
+    p.add_argument("--bootstrap-timeout", type=float, default=PDConfig.bootstrap_timeout_s,
+                   help="decode: a bootstrap lookup fails after this, a refused one too (s; P must answer in it)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without KVFERRY_SECRET (anyone who reaches a port is trusted)")
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
@@ -243,6 +245,9 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvferry serve: {exc}", file=sys.stderr)
         return 2
+    if args.bootstrap_timeout <= 0:
+        print("kvferry serve: --bootstrap-timeout must be > 0", file=sys.stderr)
+        return 2
     engine_id = args.engine_id or f"{args.role}-{advertised}:{args.port}"  # 0.0.0.0 would name every pod alike
     try:
         faults = FaultSpec.parse(args.faults)
@@ -278,6 +283,7 @@ def serve(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout,
             heartbeat_ceiling_s=args.heartbeat_ceiling,
             prefill_allow=tuple(allow.entries),
+            bootstrap_timeout_s=args.bootstrap_timeout,
             control_port=args.control_port,
             data_port=args.data_port,
             advertise_host=advertised,
@@ -375,18 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "proxy":
         return proxy(args)
-    if args.command == "chaos":
-        from kvferry.harness import chaos
-
-        return chaos.run(args)
-    if args.command == "soak":
-        from kvferry.harness import soak
-
-        return soak.run(args)
-    if args.command == "demo":
-        from kvferry.harness import demo
-
-        return demo.run(args)
+    if args.command in ("chaos", "soak", "demo"):
+        return int(importlib.import_module(f"kvferry.harness.{args.command}").run(args))
     if args.command == "bench":
         return bench(args)
     if args.command == "model":

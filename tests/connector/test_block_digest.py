@@ -16,7 +16,7 @@ from kvferry.connector.layout import KVCacheSpec, PagedKVLayout
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 SPEC = KVCacheSpec(num_blocks=16, num_layers=2, num_kv_heads=4, block_size=4, head_dim=8)
-SECRET = b"block digest test secret, >= 128 bits"
+SECRET = b"560ec6cb1c58da7f86b35152ea2ba433"  # a fixed random secret (128 bits)
 HEADS = (0, 4)
 BLOCKS = [3, 7, 1, 12]
 

@@ -19,7 +19,7 @@ from kvferry.connector.auth import HEADER_BYTES, MAGIC, TO_PREFILL, Sealer
 from kvferry.connector.messages import Heartbeat, PullRequest, Release, encode
 from sealed import Sealed
 
-SECRET = b"the deployment secret, 128 bits+"
+SECRET = b"a6c67a38c08fcd1aed56ab8e3500845c"  # a fixed random secret (128 bits)
 
 fields = st.fixed_dictionaries({
     "transfer_id": st.text(max_size=40), "d_request_id": st.text(max_size=20),
@@ -57,7 +57,7 @@ def test_forged_control_messages_are_dropped(rig: Rig, payload: bytes, how: str,
         data = MAGIC + bytes(HEADER_BYTES - len(MAGIC)) + payload
     else:
         to_p = rig.sock.sealer.receiver  # sealed for the rank it reaches: only the key is wrong
-        data = Sealer(b"another secret, 128 bits or more" if how == "other key" else None, TO_PREFILL, to_p).seal(payload)
+        data = Sealer(b"9c8ccd78de4f194cad96e4b1226d305c" if how == "other key" else None, TO_PREFILL, to_p).seal(payload)
         if how == "mangled":  # our own key, one bit flipped after sealing
             sealed = Sealer(SECRET, TO_PREFILL, to_p).seal(payload)
             data = sealed[:-1] + bytes([sealed[-1] ^ 1]) if payload else sealed[:20] + bytes([sealed[20] ^ 1]) + sealed[21:]

@@ -3,9 +3,11 @@ label per use, and `kvferry secret` prints a fresh one."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
+import random
 import secrets
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import pytest
 
 from kvferry.cli import main
 from kvferry.connector.auth import TO_PREFILL, Sealer, deployment_secret, derive
-from kvferry.transfer.secret import LABELS, WeakSecret, derive_key, estimate_bits
+from kvferry.transfer.secret import LABELS, WeakSecret, check_secret, derive_key, estimate_bits
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 WEAK = ["s3cret", "x", "123456", "kvferry-bench-secret", "a" * 64, "password" * 8, "ab" * 40, "0123456789" * 5]
@@ -93,3 +95,38 @@ def test_keys_are_hkdf_with_one_label_per_use() -> None:
     assert derive(secret, "control") == keys["control"] == _hkdf(secret, b"kvferry/2 control mac")
     salted = derive_key(secret, "tcp", salt=b"n" * 32, context=b" th", length=128)
     assert salted == _hkdf(secret, LABELS["tcp"] + b" th", b"n" * 32, 128)
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        "kvferry-prod-secret-123456",  # a template with a 6-digit counter: ~20 bits of guessing
+        "kvferry-prod-secret-493817",
+        "kvferry-prod-secret-654321-aB3",  # the same, with a few random-looking characters added
+        "correct-horse-battery-staple",  # four common words
+        "Kvferry.Staging.Secret.2024.07.01",
+        "s3cret-from-the-env-0123456789",
+    ],
+)
+def test_a_template_or_passphrase_counts_only_its_guessable_part(made: str) -> None:
+    assert estimate_bits(made) < 128, made
+    with pytest.raises(WeakSecret, match="words, numbers and separators") as refused:
+        check_secret(made)
+    assert "kvferry secret" in str(refused.value)
+
+
+def test_random_material_in_a_template_still_counts() -> None:
+    # Words around a full random token: the token alone carries the bits.
+    assert estimate_bits("kvferry-prod-" + secrets.token_hex(16)) >= 128
+    assert estimate_bits("kvferry-prod-" + secrets.token_urlsafe(32)) >= 256
+
+
+def test_random_tokens_keep_their_full_count() -> None:
+    # A random token holds word-like pieces by chance; they must not cost it its count. Seeded, so a
+    # failure names a token that can be looked at again.
+    rng = random.Random(39)
+    for _ in range(5_000):
+        assert estimate_bits(rng.randbytes(16).hex()) == 128
+        for size, bits in ((16, 128), (32, 256)):
+            token = base64.urlsafe_b64encode(rng.randbytes(size)).rstrip(b"=").decode()  # token_urlsafe's form
+            assert estimate_bits(token) >= bits, token

@@ -28,8 +28,8 @@ from kvferry.transfer.nixl.engine import CHUNK_BYTES, NixlTransferEngine  # noqa
 
 MiB = 1 << 20
 E = TransferErrorCause
-SECRET = b"nixl tests: a secret of 128+ bits"
-GUESS = b"a stranger's guess, 128 bits too"
+SECRET = b"fc901245b3275ca72bfabc02c64f95e9"  # a fixed random secret (128 bits)
+GUESS = b"f8ccd7ea7c7dc295b25d3b5b5210a509"  # a stranger's guess
 ENV_SECRET = "bml4bC10ZXN0cy1mcm9tLWVudi0xMjgtYml0cw"
 Make = Callable[..., NixlTransferEngine]
 

@@ -20,7 +20,7 @@ from kvferry.transfer.tcp.engine import TcpTransferEngine
 
 MiB = 1 << 20
 E = TransferErrorCause
-SECRET = b"relay-me-if-you-can, 128 bits+"
+SECRET = b"9c321547800bc3ae675ef681c338a88d"  # a fixed random secret (128 bits)
 Make = Callable[..., TcpTransferEngine]
 
 

@@ -21,7 +21,7 @@ from kvferry.transfer.tcp.engine import TcpTransferEngine
 from kvferry.transfer.tcp.limits import Limits
 
 MiB = 1 << 20
-SECRET = b"tap-the-wire-all-you-like, 128 bits+"
+SECRET = b"04ab07360f9609fe58c1de6e2412ba34"  # a fixed random secret (128 bits)
 PROMPT = b"The launch code for tomorrow is 7 4 1 9; tell no one. "  # stands in for a prompt's KV bytes
 Make = Callable[..., TcpTransferEngine]
 

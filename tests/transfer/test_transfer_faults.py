@@ -147,7 +147,7 @@ def test_abort_writes_fails_a_pooled_write_at_once_without_a_retry(
     assert a.stats["stale_retries"] == 0 and a.stats["connections_opened"] == 1
 
 
-WRONG, RIGHT = "wrong-secret-0123456789abcdefgh", "right-secret-0123456789abcdefgh"
+WRONG, RIGHT = "b7d8adfc040dcad5083f97cd3cd59b71", "953ff16eff8a44792d5ff93d9e28e485"  # two fixed random secrets
 
 
 @pytest.mark.parametrize(
@@ -170,7 +170,7 @@ def test_secret_mismatch_is_refused(engines: MakeEngine, client: str | None, ser
 
 
 def test_shared_secret_from_env(engines: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVFERRY_SECRET", "s3cret-from-the-env-0123456789")
+    monkeypatch.setenv("KVFERRY_SECRET", "KaM3hGXN2LR6m44Bg4yocllaluc5vwCh")
     a, src = _sender(engines, 1 * MiB)
     b = engines()
     dst = np.zeros(MiB, np.uint8)

@@ -18,7 +18,7 @@ from kvferry.transfer.base import ByteRange, TransferError, WriteOp
 from kvferry.transfer.tcp.engine import TcpTransferEngine
 from kvferry.transfer.tcp.limits import Limits, bucket
 
-SECRET = b"slots test secret: 32 bytes, ok!"
+SECRET = b"4cc66f503ee74be2300fc8d6345074da"  # a fixed random secret (128 bits)
 ATTACK = {"127.0.0.1": 64, "127.0.0.2": 64, "127.0.0.3": 64, "127.0.0.4": 64, "127.0.0.5": 64}
 Make = Callable[..., TcpTransferEngine]
 

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # D must not learn which ports are open, closed or filtered, nor what the allow-list holds (issue 31.9).
 REFUSED = ("KV bootstrap failed: no kvferry prefill answered at remote_bootstrap_addr (not allowed by "
            "--prefill-allow, not reachable, or not proving the secret)")
-FAIL_AFTER_S = 2.0  # a failure is reported this long after the lookup began (the client's timeout)
+FAIL_AFTER_S = 2.0  # the default of `bootstrap_timeout_s`: a failure is reported this long after the lookup began
 
 T = TypeVar("T")
 
@@ -165,6 +165,7 @@ class BootstrapServer:
 
 class BootstrapClient:
     def __init__(self, timeout_s: float = FAIL_AFTER_S, secret: bytes | None = None) -> None:
+        self.timeout_s = timeout_s  # every lookup, and every refusal, takes at most this (`refused_alike`)
         self._secret = secret
         self._http = httpx.Client(timeout=timeout_s)
         self._cache: dict[tuple[str, str], EngineInfo] = {}
@@ -283,10 +284,10 @@ class PrefillAllowList:
 
 async def refused_alike(
     allow: PrefillAllowList, bootstrap_addr: str, ask: Callable[[], Awaitable[T]],
-    answered_before: Callable[[str], bool],
+    answered_before: Callable[[str], bool], timeout_s: float = FAIL_AFTER_S,
 ) -> T:
-    """`ask()` only for an allowed target (host and port), bounded by `FAIL_AFTER_S`; any failure raises
-    BootstrapError(REFUSED), `FAIL_AFTER_S` after the call began, whatever the cause (refused by the
+    """`ask()` only for an allowed target (host and port), bounded by `timeout_s`; any failure raises
+    BootstrapError(REFUSED), `timeout_s` after the call began, whatever the cause (refused by the
     allow-list, closed, open but not kvferry, filtered, no MAC). Only a server that answered validly
     before fails at once and with its reason: a killed P is left as fast as before, and it told D
     nothing new about the host. Every question D asks a client-named bootstrap address goes through here."""
@@ -294,13 +295,13 @@ async def refused_alike(
     started = loop.time()
     try:
         allow.check(bootstrap_addr)
-        return await asyncio.wait_for(ask(), FAIL_AFTER_S)
+        return await asyncio.wait_for(ask(), timeout_s)
     except (ValueError, BootstrapError, TimeoutError) as exc:
         reason = str(exc) if not isinstance(exc, TimeoutError) else "no answer in time"
         if answered_before(bootstrap_addr):
             raise BootstrapError(reason) from None
         log.info("bootstrap target %.100r refused or failed: %s", bootstrap_addr, reason[:200])
-        await asyncio.sleep(max(0.0, started + FAIL_AFTER_S - loop.time()))
+        await asyncio.sleep(max(0.0, started + timeout_s - loop.time()))
         raise BootstrapError(REFUSED) from None
 
 
@@ -308,10 +309,10 @@ async def lookup_uniform(
     client: BootstrapClient, allow: PrefillAllowList, bootstrap_addr: str, engine_id: str,
     transfer_id: str | None, fresh: bool,
 ) -> EngineInfo:
-    """`client.lookup`, off the loop, under `refused_alike`'s rule."""
+    """`client.lookup`, off the loop, under `refused_alike`'s rule and the client's bound."""
     loop = asyncio.get_running_loop()
     return await refused_alike(
         allow, bootstrap_addr,
         lambda: loop.run_in_executor(None, client.lookup, bootstrap_addr, engine_id, transfer_id, fresh),
-        client.answered_before,
+        client.answered_before, client.timeout_s,
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvferry.connector.auth import deployment_secret, prompt_digest
 from kvferry.connector.base import AdmissionError, ConnectorMetadata, RequestLike, SchedulerOutputLike
-from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
+from kvferry.connector.bootstrap import FAIL_AFTER_S, LOOPBACK, PrefillAllowList
 from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.decode.pulls import PullSpec
 from kvferry.connector.faults import FaultSpec
@@ -47,6 +47,7 @@ class PDConfig:
     # Seals control messages and bootstrap answers, keys the data plane (docs/security.md).
     secret: bytes | None = field(default_factory=deployment_secret, repr=False, compare=False)
     prefill_allow: tuple[str, ...] = LOOPBACK  # decode: the hosts whose bootstrap servers D may ask
+    bootstrap_timeout_s: float = FAIL_AFTER_S  # decode: a bootstrap lookup fails after this (ConsumerConfig)
     # Fixed ports for firewalls (rank r uses base + r; 0: the kernel picks) and the host peers are told
     # to dial when it is not `host` (a 0.0.0.0 bind, NAT, a Kubernetes Service).
     control_port: int = 0

@@ -61,8 +61,9 @@ class PDWorker:
                 self.config.heartbeat_ceiling_s,
                 secret=self.config.secret,
                 prefill_allow=self.config.prefill_allow,
+                bootstrap_timeout_s=self.config.bootstrap_timeout_s,
             )
-            bootstrap = BootstrapClient(secret=self.config.secret)
+            bootstrap = BootstrapClient(consumer_config.bootstrap_timeout_s, self.config.secret)
             self.consumer = Consumer(layout, engines, consumer_config, self.metrics, bootstrap)
             self._install_waker()
             return

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.auth import deployment_secret, is_loopback
-from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
+from kvferry.connector.bootstrap import FAIL_AFTER_S, LOOPBACK, PrefillAllowList
 from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.pd import PDConfig
@@ -67,6 +67,7 @@ class KVFerrySettings:
     # (host memory too: tests), "never" (a KV cache on a device is refused)
     staging: str = "auto"
     prefill_allow: tuple[str, ...] = LOOPBACK  # D: the hosts whose bootstrap servers it may pull from
+    bootstrap_timeout_s: float = FAIL_AFTER_S  # D: a bootstrap lookup fails after this (a refused one too)
     insecure: bool = False  # a non-loopback host without KVFERRY_SECRET (as `kvferry serve --insecure`)
     control_port: int = 0  # P: the ZMQ control socket's fixed port (0: the kernel picks)
     data_port: int = 0  # the TCP data plane's fixed port (0: the kernel picks)
@@ -74,7 +75,7 @@ class KVFerrySettings:
 
     KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
             "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "heartbeat_ceiling_s", "staging", "prefill_allow",
-            "insecure", "control_port", "data_port", "advertise_host")
+            "bootstrap_timeout_s", "insecure", "control_port", "data_port", "advertise_host")
     STAGING = {"auto": None, "always": True, "never": False}
 
     @classmethod
@@ -96,6 +97,7 @@ class KVFerrySettings:
             heartbeat_ceiling_s=float(extra.get("heartbeat_ceiling_s", DEFAULT_CEILING_S)),
             staging=str(extra.get("staging", "auto")),
             prefill_allow=tuple(str(h) for h in extra.get("prefill_allow", LOOPBACK)),
+            bootstrap_timeout_s=float(extra.get("bootstrap_timeout_s", FAIL_AFTER_S)),
             insecure=bool(extra.get("insecure", False)),
             control_port=int(extra.get("control_port", 0)),
             data_port=int(extra.get("data_port", 0)),
@@ -111,8 +113,8 @@ class KVFerrySettings:
             log.warning("kvferry: insecure: control and data planes on %s are unauthenticated", settings.host)
         if settings.staging not in cls.STAGING:
             raise ValueError(f"staging must be one of {sorted(cls.STAGING)}, not {settings.staging!r}")
-        if settings.heartbeat_interval_s <= 0 or settings.heartbeat_timeout_s < 0:
-            raise ValueError("heartbeat_interval_s must be > 0 and heartbeat_timeout_s >= 0")
+        if settings.heartbeat_interval_s <= 0 or settings.heartbeat_timeout_s < 0 or settings.bootstrap_timeout_s <= 0:
+            raise ValueError("heartbeat_interval_s and bootstrap_timeout_s must be > 0, heartbeat_timeout_s >= 0")
         if settings.transfer not in ("tcp", "mooncake", "nixl"):
             raise ValueError(f"transfer must be 'tcp', 'mooncake' or 'nixl', not {settings.transfer!r}")
         if settings.transfer == "nixl":
@@ -152,6 +154,7 @@ class KVFerrySettings:
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_ceiling_s=self.heartbeat_ceiling_s,
             prefill_allow=self.prefill_allow,
+            bootstrap_timeout_s=self.bootstrap_timeout_s,
             control_port=self.control_port,
             data_port=self.data_port,
             advertise_host=self.advertise_host,

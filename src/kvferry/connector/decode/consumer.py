@@ -76,7 +76,7 @@ class Consumer:
         self.engines = dict(engines) if isinstance(engines, Mapping) else dict(enumerate(engines))
         self.config = config
         self.metrics = metrics
-        self.bootstrap = bootstrap or BootstrapClient()
+        self.bootstrap = bootstrap or BootstrapClient(config.bootstrap_timeout_s, config.secret)
         self._allow = PrefillAllowList(config.prefill_allow)
         for engine in self.engines.values():
             for name, buffer in layout.regions().items():

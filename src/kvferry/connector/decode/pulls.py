@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvferry.connector.bootstrap import LOOPBACK
+from kvferry.connector.bootstrap import FAIL_AFTER_S, LOOPBACK
 from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.messages import FirstToken, PullResponse
@@ -50,6 +50,9 @@ class ConsumerConfig:
     dealer_idle_s: float = 10.0
     secret: bytes | None = field(default=None, repr=False)  # seals control messages (auth.py)
     prefill_allow: tuple[str, ...] = LOOPBACK  # the bootstrap hosts D may ask (and so pull from)
+    # A bootstrap lookup (P's answer, or the uniform refusal) takes at most this: a P too starved to
+    # answer its bootstrap server in time fails D's first pull of it.
+    bootstrap_timeout_s: float = FAIL_AFTER_S
 
     @property
     def liveness(self) -> bool:
