@@ -32,16 +32,8 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.harness.client import DONE, percentile, sse_event
-from kvferry.harness.processes import (
-    LOOPBACK,
-    ManagedProcess,
-    PDSystem,
-    PDSystemConfig,
-    blas_env,
-    free_port,
-    wait_all_healthy,
-)
 from kvferry.harness.sampler import MetricSnapshot, parse_metrics, require_drained
+from kvferry.harness.system import PDSystem, PDSystemConfig
 
 OUTPUT_TOKENS = 16
 SEED = 0
@@ -206,44 +198,12 @@ def run(
     """Measure, print the table (and write --json); `plan` ((prompt tokens, reps), ...) overrides the
     default plan (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
-    # D waits for P's prefill as long as the client does: an 8k prefill took over 20 s (the harness's
-    # default deadline) on a shared 2-core box at load 20-30.
-    pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                                 kv_load_deadline=REQUEST_TIMEOUT_S))
-    colocated: ManagedProcess | None = None
-    try:
-        port = free_port()
-        colocated = ManagedProcess(
-            "colocated",
-            [
-                "serve",
-                "--role",
-                "both",
-                "--host",
-                LOOPBACK,
-                "--port",
-                str(port),
-                "--seed",
-                str(SEED),
-                "--num-blocks",
-                str(NUM_BLOCKS),
-                "--block-size",
-                str(BLOCK_SIZE),
-                "--log-level",
-                "warning",
-            ],
-            f"http://{LOOPBACK}:{port}",
-            blas_env(1),
-        )
-        pd.start()
-        wait_all_healthy([colocated], 60)
-        assert pd.proxy is not None and pd.prefill is not None and pd.decode is not None
-        rows = measure(colocated.url, pd.proxy.url, pd.prefill.url, pd.decode.url, plan)
-        require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": colocated.url}, 15)
-    finally:
-        pd.stop()
-        if colocated is not None:
-            colocated.stop()
+    # D waits for P's prefill as long as the client does: an 8k prefill on a loaded box can take longer
+    # than any shorter deadline.
+    with PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                 abort_timeout=10.0, kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True)) as pd:
+        rows = measure(pd.colocated.url, pd.proxy.url, pd.prefill.url, pd.decode.url, plan)
+        require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": pd.colocated.url}, 15)
     report(
         f"kvferry bench e2e: colocated vs disaggregated, {OUTPUT_TOKENS} output tokens, one request at a time",
         rows,

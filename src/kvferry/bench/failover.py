@@ -10,7 +10,7 @@ and liveness off, where only the receive timeout (abort timeout + 5 s; vLLM's Mo
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
 import threading
 import time
@@ -21,9 +21,8 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
-from kvferry.harness.processes import ManagedProcess, free_port, wait_all_healthy
+from kvferry.harness.system import PDSystem, PDSystemConfig, Role
 
-LOOPBACK = "127.0.0.1"
 PROMPT = list(range(200))
 
 
@@ -48,48 +47,44 @@ def writing(p_url: str, d_url: str) -> bool:
     return bool(d_waiting) and bool(_state(p_url).get("connector", {}).get("writes_in_flight"))
 
 
-class _Rig:
-    def __init__(self, liveness: bool, abort_timeout: float) -> None:
-        self.p_port, self.d_port = free_port(), free_port()
-        common = ["--host", LOOPBACK, "--seed", "0", "--num-blocks", "256", "--abort-timeout", str(abort_timeout)]
-        self.p_args = ["serve", "--role", "prefill", "--port", str(self.p_port), "--bootstrap-port", str(free_port()),
-                       "--faults", "slow=600000", *common]
-        d_args = ["serve", "--role", "decode", "--port", str(self.d_port), "--kv-load-failure-policy", "fail", *common]
-        if not liveness:
-            d_args += ["--heartbeat-timeout", "0"]
-        self.prefill = ManagedProcess("prefill", self.p_args, f"http://{LOOPBACK}:{self.p_port}")
-        self.decode = ManagedProcess("decode", d_args, f"http://{LOOPBACK}:{self.d_port}")
-        wait_all_healthy([self.prefill, self.decode], 60)
+def pair(abort_timeout: float, *d_args: str) -> PDSystem:
+    """P, sitting on every write (`slow`), and D, which fails a load it cannot finish; no proxy."""
+    return PDSystem(PDSystemConfig(policy="fail", num_blocks=256, abort_timeout=abort_timeout, proxy=False,
+                                   prefill=Role(args=("--faults", "slow=600000")), decode=Role(args=d_args)))
 
-    def one(self, sig: signal.Signals) -> float:
-        # The prefill first (as the proxy's sequential mode does), so P's HTTP answer is out before P dies.
-        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4()}"}}
-        prefill = httpx.post(f"{self.prefill.url}/v1/completions", json=body, timeout=60)
-        prefill.raise_for_status()
-        result: list[httpx.Response] = []
-        d_body = {**body, "max_tokens": 2, "kv_transfer_params": prefill.json()["kv_transfer_params"]}
 
-        def send() -> None:
-            result.append(httpx.post(f"{self.decode.url}/v1/completions", json=d_body, timeout=120))
+def pull(system: PDSystem) -> tuple[threading.Thread, list[httpx.Response]]:
+    """P prefills a request, then D is asked to decode it (from a thread: the answer waits on what happens to
+    P or D next); returns once P sits on the write for D's pull, with the thread and where D's answer lands."""
+    # The prefill first (as the proxy's sequential mode does), so P's HTTP answer is out before P dies.
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4()}"}}
+    prefill = httpx.post(f"{system.prefill.url}/v1/completions", json=body, timeout=60)
+    prefill.raise_for_status()
+    answers: list[httpx.Response] = []
+    d_body = {**body, "max_tokens": 2, "kv_transfer_params": prefill.json()["kv_transfer_params"]}
 
-        thread = threading.Thread(target=send, daemon=True)
-        thread.start()
-        _wait(lambda: writing(self.prefill.url, self.decode.url), 30, "P writing the pull")
-        killed_at = time.monotonic()
-        os.kill(self.prefill.pid, sig)
-        thread.join(timeout=120)
-        elapsed = time.monotonic() - killed_at
-        if not result or result[0].status_code != 500:
-            raise RuntimeError(f"expected an HTTP 500 from D, got {result and result[0].text}")
-        self.prefill.stop()
-        self.prefill = ManagedProcess("prefill", self.p_args, self.prefill.url)  # same address, fresh process
-        wait_all_healthy([self.prefill], 60)
-        return elapsed
+    def send() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # a D killed under the request answers nothing
+            answers.append(httpx.post(f"{system.decode.url}/v1/completions", json=d_body, timeout=120))
 
-    def stop(self) -> None:
-        for proc in (self.decode, self.prefill):
-            proc.stop()
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    _wait(lambda: writing(system.prefill.url, system.decode.url), 30, "P writing the pull")
+    return thread, answers
+
+
+def one(system: PDSystem, sig: signal.Signals) -> float:
+    """Seconds from `sig` to P until D answers the pull it waits on; P is then restarted at its address."""
+    thread, answers = pull(system)
+    killed_at = time.monotonic()
+    system.prefill.signal(sig)
+    thread.join(timeout=120)
+    elapsed = time.monotonic() - killed_at
+    if not answers or answers[0].status_code != 500:
+        raise RuntimeError(f"expected an HTTP 500 from D, got {answers and answers[0].text}")
+    system.restart("prefill")
+    return elapsed
 
 
 def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
@@ -98,10 +93,9 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     abort_timeout = 3.0
     rows = []
     for liveness, reps in ((True, reps_on), (False, reps_off)):
-        rig = _Rig(liveness, abort_timeout)
-        try:
+        with pair(abort_timeout, *(() if liveness else ("--heartbeat-timeout", "0"))) as system:
             for name, sig in (("kill -9", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP)):
-                times = [rig.one(sig) for _ in range(reps)]
+                times = [one(system, sig) for _ in range(reps)]
                 rows.append({
                     "liveness": "heartbeats+events" if liveness else f"off (recv timeout {abort_timeout + 5:.0f}s)",
                     "fault": name,
@@ -110,7 +104,5 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
                     "p99_s": percentile(times, 99),
                     "max_s": max(times),
                 })
-        finally:
-            rig.stop()
     report("kvferry bench failover: P dies or hangs → D request released", rows, json_path)
     return rows

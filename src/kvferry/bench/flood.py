@@ -30,7 +30,8 @@ import httpx
 from kvferry.bench.report import report
 from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_workload
 from kvferry.harness.metrics_text import parse_samples
-from kvferry.harness.processes import PDSystem, PDSystemConfig, Supervised
+from kvferry.harness.processes import Supervised
+from kvferry.harness.system import PDSystem, PDSystemConfig
 
 GOAL_OK = 0.99
 GOAL_RATIO = 2.0
@@ -183,7 +184,6 @@ def _snapshot(system: PDSystem, pids: dict[str, int]) -> dict[str, float]:
     out["box:irq"] = (ticks[5] + ticks[6]) / clock  # the kernel's network work lands here, charged to no process
     pages = {}
     for proc in (system.prefill, system.decode):
-        assert proc is not None
         pages[proc.name] = {(n, tuple(sorted(labels.items()))): v
                             for n, labels, v in parse_samples(httpx.get(f"{proc.url}/metrics", timeout=10).text)}
     for column, instance, metric in STAGES:
@@ -267,7 +267,6 @@ def _settle(pid: int, base: int) -> None:
 def measure(system: PDSystem, flood: Flood, items: Sequence[WorkItem],
             expected: Sequence[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Quiet and flooded phases, Q F F Q, over the two halves of `items`: the row, and the cost rows."""
-    assert system.prefill is not None and system.decode is not None and system.proxy is not None
     victim = system.decode if flood.on_data_port else system.prefill
     connector = httpx.get(f"{victim.url}/debug/state", timeout=10).json()["connector"]
     target = connector["transfer_addrs" if flood.on_data_port else "control_addrs"][0]
@@ -307,8 +306,7 @@ def run(json_path: str | None = None, quick: bool = False, requests: int | None 
     items = workload(n + n % 2)
     load0 = os.getloadavg()[0]
     rows = []
-    with PDSystem(PDSystemConfig()) as system:
-        assert system.proxy is not None
+    with PDSystem(PDSystemConfig(policy="recompute", abort_timeout=10.0, kv_load_deadline=20.0)) as system:
         warm = _send(system.proxy.url, items)  # the fault-free texts, and every prompt seen once
         bad = [r for r in warm if r.outcome != "ok"]
         if bad:

@@ -15,7 +15,6 @@ same for both systems): false `peer_dead` failures and P's expired leases, count
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -24,20 +23,17 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from kvferry.bench.failover import _state, _wait, writing
+from kvferry.bench.failover import _state, _wait, pair, pull
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
-from kvferry.harness.processes import ManagedProcess, PDSystem, PDSystemConfig, free_port, wait_all_healthy
 from kvferry.harness.sampler import parse_metrics
+from kvferry.harness.system import PDSystem, PDSystemConfig
 
-LOOPBACK = "127.0.0.1"
-PROMPT = list(range(200))
 ABORT_TIMEOUT_S = 30.0
 
 
@@ -46,50 +42,19 @@ def p_blocks_free(p_url: str) -> bool:
     return bool(state) and state.get("blocks_free") == state.get("blocks_total")
 
 
-class _Rig:
-    def __init__(self) -> None:
-        self.rng = random.Random(0)
-        self.p_port, self.d_port = free_port(), free_port()
-        common = ["--host", LOOPBACK, "--seed", "0", "--num-blocks", "256", "--abort-timeout", str(ABORT_TIMEOUT_S)]
-        p_args = ["serve", "--role", "prefill", "--port", str(self.p_port), "--bootstrap-port", str(free_port()),
-                  "--faults", "slow=600000", *common]
-        self.d_args = ["serve", "--role", "decode", "--port", str(self.d_port), "--kv-load-failure-policy", "fail", *common]
-        self.prefill = ManagedProcess("prefill", p_args, f"http://{LOOPBACK}:{self.p_port}")
-        self.decode = ManagedProcess("decode", self.d_args, f"http://{LOOPBACK}:{self.d_port}")
-        wait_all_healthy([self.prefill, self.decode], 60)
-
-    def one(self, sig: signal.Signals) -> float:
-        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4()}"}}
-        prefill = httpx.post(f"{self.prefill.url}/v1/completions", json=body, timeout=60)
-        prefill.raise_for_status()
-        d_body = {**body, "max_tokens": 2, "kv_transfer_params": prefill.json()["kv_transfer_params"]}
-
-        def send() -> None:
-            # D is killed or frozen under this request: its answer is not what we time.
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(f"{self.decode.url}/v1/completions", json=d_body, timeout=120)
-
-        threading.Thread(target=send, daemon=True).start()
-        _wait(lambda: writing(self.prefill.url, self.decode.url), 30, "P writing the pull")
-        assert not p_blocks_free(self.prefill.url)
-        # At any phase of D's heartbeats (every 0.25 s): the worst case is a fault just after one.
-        time.sleep(self.rng.uniform(0.0, 0.5))
-        assert not p_blocks_free(self.prefill.url)
-        signalled = time.monotonic()
-        os.kill(self.decode.pid, sig)
-        _wait(lambda: p_blocks_free(self.prefill.url), ABORT_TIMEOUT_S, "P freeing the blocks")
-        elapsed = time.monotonic() - signalled
-        if sig == signal.SIGSTOP:
-            os.kill(self.decode.pid, signal.SIGCONT)
-        self.decode.stop()
-        self.decode = ManagedProcess("decode", self.d_args, self.decode.url)
-        wait_all_healthy([self.decode], 60)
-        return elapsed
-
-    def stop(self) -> None:
-        for proc in (self.decode, self.prefill):
-            proc.stop()
+def one(system: PDSystem, rng: random.Random, sig: signal.Signals) -> float:
+    """Seconds from `sig` to D until P's pool is whole again; D is then restarted at its address."""
+    pull(system)  # D is killed or frozen under this request: its answer is not what we time
+    assert not p_blocks_free(system.prefill.url)
+    # At any phase of D's heartbeats (every 0.25 s): the worst case is a fault just after one.
+    time.sleep(rng.uniform(0.0, 0.5))
+    assert not p_blocks_free(system.prefill.url)
+    signalled = time.monotonic()
+    system.decode.signal(sig)
+    _wait(lambda: p_blocks_free(system.prefill.url), ABORT_TIMEOUT_S, "P freeing the blocks")
+    elapsed = time.monotonic() - signalled
+    system.restart("decode")  # SIGCONT first when D is frozen
+    return elapsed
 
 
 # ---- oversubscribed: slow is not dead ------------------------------------------------------------
@@ -140,25 +105,8 @@ def _stutter(systems: list[PDSystem], stop: threading.Event, stalls: list[float]
         stop.wait(rng.uniform(*RUN_S))
 
 
-class _System(PDSystem):
-    """A P/D system whose processes run under `nice -n NICE` (a pod with a small CPU share on a busy
-    node) with `extra` in their environment (e.g. another build's PYTHONPATH, for a before/after run)."""
-
-    def __init__(self, config: PDSystemConfig, nice: int, extra: dict[str, str]) -> None:
-        super().__init__(config)
-        self.nice = nice
-        self.extra = extra
-
-    def _spawn(self, name: str, args: list[str], port: int, env: dict[str, str]) -> ManagedProcess:
-        prefix = ["nice", "-n", str(self.nice)] if self.nice else []  # nice execs: the pid stays ours
-        proc = ManagedProcess(name, args, f"http://{LOOPBACK}:{port}", {**env, **self.extra}, prefix)
-        self.procs.append(proc)
-        return proc
-
-
 def _drive(system: PDSystem, prompts: list[list[int]], out: dict[str, Any]) -> None:
     """The requests through the proxy, IN_FLIGHT at a time; HTTP outcomes by status and error code."""
-    assert system.proxy is not None
     url = f"{system.proxy.url}/v1/completions"
     codes: dict[str, int] = {}
     todo = list(prompts)
@@ -203,9 +151,12 @@ def oversubscribed(n: int, stutter: bool = False, nice: int = 0,
     stutterer = threading.Thread(target=_stutter, args=(systems, stop, stalls))
     try:
         for name, flags in variants:
+            # Under `nice` (it execs: the pid stays ours) the servers are a pod with a small CPU share on a
+            # busy node; `env` may point a variant at another build (PYTHONPATH) for a before/after run.
             config = PDSystemConfig(policy="fail", faults=LOADED_FAULTS, num_blocks=1024, abort_timeout=30.0,
-                                    kv_load_deadline=120.0, serve_args=tuple(flags))
-            systems.append(_System(config, nice, (env or {}).get(name, {})))
+                                    kv_load_deadline=120.0, serve_args=tuple(flags), env=(env or {}).get(name, {}),
+                                    prefix=("nice", "-n", str(nice)) if nice else ())
+            systems.append(PDSystem(config))
             systems[-1].start(timeout=120)
         _start_hogs(hogs)
         load = f"{len(hogs)} hogs" + (f", servers at nice {nice}" if nice else "")
@@ -233,7 +184,6 @@ def oversubscribed(n: int, stutter: bool = False, nice: int = 0,
 
 
 def _row(name: str, load: str, system: PDSystem, out: dict[str, Any]) -> dict[str, Any]:
-    assert system.prefill is not None and system.decode is not None
     d = parse_metrics(httpx.get(f"{system.decode.url}/metrics", timeout=30).text)
     p = parse_metrics(httpx.get(f"{system.prefill.url}/metrics", timeout=30).text)
     codes: dict[str, int] = out.get("codes", {})
@@ -256,14 +206,12 @@ def _row(name: str, load: str, system: PDSystem, out: dict[str, Any]) -> dict[st
 def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
     reps = 2 if quick else 5
     rows: list[dict[str, Any]] = []
-    rig = _Rig()
-    try:
+    rng = random.Random(0)
+    with pair(ABORT_TIMEOUT_S) as system:
         for name, sig in (("kill -9", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP)):
-            times = [rig.one(sig) for _ in range(reps)]
+            times = [one(system, rng, sig) for _ in range(reps)]
             rows.append({"D fault": name, "reps": reps, "p50_s": percentile(times, 50),
                          "max_s": max(times), "abort_timeout_s": ABORT_TIMEOUT_S})
-    finally:
-        rig.stop()
     report("kvferry bench lease: D dies or hangs mid-pull → P's blocks free", rows)
     n = 12 if quick else 40
     loaded = oversubscribed(n) + oversubscribed(n, stutter=True)

@@ -1,7 +1,7 @@
 """`kvferry bench serve`: serving throughput and latency under concurrent load, colocated and P/D.
 
-One colocated instance (`kvferry serve --role both`) and one P/D system (P, D, `kvferry proxy`, via
-`PDSystem`) run on free loopback ports, every process with single-threaded BLAS. For each concurrency
+One colocated instance (`kvferry serve --role both`) and one P/D system (P, D, `kvferry proxy`), both
+from `PDSystem`, run on free loopback ports, every process with single-threaded BLAS. For each concurrency
 (default 1, 4, 16, 64) the load client (kvferry.harness.client) sends `requests` streaming greedy
 completions (ignore_eos, `output_tokens` each) to one mode, then the other: closed loop (at most
 `concurrency` in flight, the next sent as one finishes), or with `--poisson RATE` arrivals of a Poisson
@@ -31,16 +31,8 @@ from kvferry.bench.report import report
 from kvferry.bench.vllm import load as vllm_load
 from kvferry.bench.vllm.servers import export_model
 from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_request, run_workload
-from kvferry.harness.processes import (
-    LOOPBACK,
-    ManagedProcess,
-    PDSystem,
-    PDSystemConfig,
-    blas_env,
-    free_port,
-    wait_all_healthy,
-)
 from kvferry.harness.sampler import require_drained
+from kvferry.harness.system import PDSystem, PDSystemConfig
 
 SEED = 0
 BLOCK_SIZE = 16
@@ -153,14 +145,6 @@ def references(plan: ServePlan, pool: list[list[int]]) -> list[str]:
     return [loaded.codec.decode(loaded.model.generate_greedy(p, plan.output_tokens, stop_at_eos=False)) for p in pool]
 
 
-def _colocated(plan: ServePlan, num_blocks: int) -> ManagedProcess:
-    port = free_port()
-    args = ["serve", "--role", "both", "--host", LOOPBACK, "--port", str(port), "--seed", str(SEED),
-            "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--model", plan.model,
-            "--log-level", "warning"]
-    return ManagedProcess("colocated", args, f"http://{LOOPBACK}:{port}", blas_env(1))
-
-
 def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | None = None) -> list[dict[str, Any]]:
     """Measure both modes at every concurrency, print the table (and --json); raises if an answer differs
     from its one-at-a-time reference or a block leaks."""
@@ -170,8 +154,7 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
     num_blocks = 2 * max(plan.concurrencies) * (-(-(PROMPT_TOKENS[1] + plan.output_tokens) // BLOCK_SIZE)) + 64
     pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                  serve_args=("--model", plan.model), abort_timeout=REQUEST_TIMEOUT_S,
-                                 kv_load_deadline=REQUEST_TIMEOUT_S))
-    colocated: ManagedProcess | None = None
+                                 kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True))
     rows: list[dict[str, Any]] = []
     answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
     vllm_answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
@@ -179,10 +162,8 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
     venv = vllm_load.vllm_venv() if plan.vllm else None
     try:
         model_dir = export_model(plan.model, scratch.name) if scratch is not None else ""
-        colocated = _colocated(plan, num_blocks)
         pd.start(timeout=180)
-        wait_all_healthy([colocated], 180)
-        assert pd.proxy is not None and pd.prefill is not None and pd.decode is not None
+        colocated = pd.colocated
         for url in (colocated.url, pd.proxy.url):  # warm-up: connections, first allocations, D's first pull
             run_level(url, "warm-up", 2, ServePlan(output_tokens=2, min_requests=2, model=plan.model), pool[:2])
         for concurrency in plan.concurrencies:
@@ -194,7 +175,6 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
                     rows.append(_vllm_client(venv, url, mode, concurrency, plan, model_dir, scratch.name))
         require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": colocated.url}, 30)
         pd.stop()
-        colocated.stop()
         if venv is not None and scratch is not None:  # after kvferry stopped: the engines never share cores
             with vllm_load.VllmServe(venv, model_dir, max(plan.concurrencies)) as vllm:
                 run_level(vllm.url, "warm-up", 2, ServePlan(output_tokens=2, min_requests=2, model=plan.model), pool[:2])
@@ -206,8 +186,6 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
                                              scratch.name, served_name=model_dir))
     finally:
         pd.stop()
-        if colocated is not None:
-            colocated.stop()
         if scratch is not None:
             scratch.cleanup()
     expected = references(plan, pool)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import threading
@@ -28,11 +27,11 @@ from rich.text import Text
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
 from kvferry.engine.loader import load_codec
 from kvferry.harness.client import RequestResult, WorkItem, make_workload, new_results, run_workload
-from kvferry.harness.processes import ManagedProcess, PDSystem, PDSystemConfig, wait_all_healthy
 from kvferry.harness.progress import show_progress
 from kvferry.harness.questions import chat_workload
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.sampler import wait_drained
+from kvferry.harness.system import PDSystem, PDSystemConfig
 
 ABORT_TIMEOUT_S = 2.0  # P's "not ready" answer; D's receive timeout is this + 5 s
 FREEZE_S = 2.5  # longer than D's heartbeat timeout
@@ -96,20 +95,15 @@ class _PChaos(threading.Thread):
 
     def _one(self, kind: str) -> None:
         p = self.system.prefill
-        assert p is not None
         event = ChaosEvent(kind, time.monotonic() - self.t0)
         self.events.append(event)
         if kind == "kill":
-            os.kill(p.pid, signal.SIGKILL)
-            p.stop(keep_log=False)
-            fresh = ManagedProcess("prefill", p.args, p.url)
-            self.system.procs[self.system.procs.index(p)] = fresh
-            self.system.prefill = fresh
-            wait_all_healthy([fresh], 60)
+            p.signal(signal.SIGKILL)
+            self.system.restart("prefill")
         else:
-            os.kill(p.pid, signal.SIGSTOP)
+            p.signal(signal.SIGSTOP)
             time.sleep(FREEZE_S)
-            os.kill(p.pid, signal.SIGCONT)
+            p.signal(signal.SIGCONT)
         event.end = time.monotonic() - self.t0
 
 
@@ -183,15 +177,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_process_chaos:
             chaos = _PChaos(system, args.chaos_every, args.seed, t0)
             chaos.start()
-        assert system.proxy is not None
         progress = _Progress(results, chaos, t0)
         live = not args.no_live and console.is_terminal
         asyncio.run(_drive(system.proxy.url, items, results, t0, args.concurrency, console, live, progress))
         if chaos is not None:
             chaos.halt.set()
             chaos.join(timeout=60)
-        urls = [p.url for p in (system.prefill, system.decode) if p is not None]
-        states = wait_drained(urls, ABORT_TIMEOUT_S + 15)
+        states = wait_drained([system.prefill.url, system.decode.url], ABORT_TIMEOUT_S + 15)
         reference.wait(600)
     finally:
         if chaos is not None:

@@ -44,12 +44,13 @@ from kvferry.engine.loader import ModelLoadError, load_codec
 from kvferry.harness.client import make_workload, new_results, run_workload
 from kvferry.harness.demo_view import plain_line, render
 from kvferry.harness.plot import write_plot
-from kvferry.harness.processes import PDSystem, PDSystemConfig, default_blas_threads
+from kvferry.harness.processes import default_blas_threads
 from kvferry.harness.progress import show_progress
 from kvferry.harness.questions import chat_workload
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.report import DemoRun, build_report, print_report
 from kvferry.harness.sampler import SystemSampler, is_drained
+from kvferry.harness.system import PDSystem, PDSystemConfig, Role
 
 DEFAULT_FAULTS = "transport=0.06,corrupt=0.04,error_reply=0.04,seed=7"
 
@@ -134,7 +135,6 @@ async def _drive(run: DemoRun, console: Console, live: bool) -> None:
     def show() -> Coroutine[Any, Any, None]:
         return show_progress(console, live, lambda: render(run, console.width), lambda: plain_line(run), stop)
 
-    assert run.system.proxy is not None
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
         for side in ("p", "d"):  # the baseline of every metric delta
             if not await run.sampler.poll_metrics(client, side):
@@ -244,8 +244,8 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         faults=args.faults,
         num_blocks=args.num_blocks,
-        p_tp=args.p_tp,
-        d_tp=args.d_tp,
+        prefill=Role(args=("--tp", str(args.p_tp))),
+        decode=Role(args=("--tp", str(args.d_tp))),
         abort_timeout=args.abort_timeout,
         kv_load_deadline=args.kv_load_deadline,
         blas_threads=args.blas_threads,
@@ -261,7 +261,6 @@ def run(args: argparse.Namespace) -> int:
         ref.submit(items)
         with console.status("starting prefill, decode and proxy on loopback ..."):
             system.start()
-        assert system.prefill is not None and system.decode is not None and system.proxy is not None
         console.print(
             f"P {system.prefill.url}   D {system.decode.url}   proxy {system.proxy.url}   "
             f"{len(items)} requests, {args.concurrency} in flight",
@@ -287,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             _restore_signals(handlers)
         if args.keep_logs:
-            for proc in system.procs:
+            for proc in system.procs.values():
                 console.print(f"log of {proc.name}: {proc.log_path}", style="dim")
     print_report(console, report)
     _print_answers(console, demo)

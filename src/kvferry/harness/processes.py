@@ -1,5 +1,5 @@
-"""Start, watch and stop child processes: a P/D system of `python -m kvferry serve|proxy` on loopback
-ports, and (through `Supervised`) the benches' vLLM servers and the tests' routers.
+"""Start, watch and stop child processes: `python -m kvferry serve|proxy` (`ManagedProcess`; a P/D system
+of them is `harness.system`), and (through `Supervised`) the benches' vLLM servers and the tests' routers.
 
 Every child is stopped (SIGTERM, a bounded wait, then SIGKILL), also when the caller fails: by its own
 pid, or by its process group when it was started in one (servers that start processes of their own).
@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import IO
 
 import httpx
@@ -197,103 +196,3 @@ def wait_all_healthy(procs: Sequence[ManagedProcess], timeout: float) -> None:
             names = ", ".join(p.name for p in pending)
             raise TimeoutError(f"{names} not healthy after {timeout:.0f}s:\n{pending[0].output_tail()}")
         time.sleep(0.05)
-
-
-@dataclass
-class PDSystemConfig:
-    seed: int = 0
-    policy: str = "recompute"
-    faults: str = ""
-    num_blocks: int = 2048
-    block_size: int = 16
-    p_tp: int = 1
-    d_tp: int = 1
-    abort_timeout: float = 10.0
-    kv_load_deadline: float = 20.0
-    blas_threads: int = 1
-    log_level: str = "warning"
-    serve_args: tuple[str, ...] = ()  # more flags for both instances
-    proxy_args: tuple[str, ...] = ()  # more flags for the proxy (e.g. --retries)
-
-
-def _flags(**options: object) -> list[str]:
-    """`--name value` pairs; underscores in a name become dashes."""
-    out: list[str] = []
-    for name, value in options.items():
-        out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
-
-
-class PDSystem:
-    """One prefill instance, one decode instance and the proxy, on free loopback ports.
-
-    Use as a context manager (or call stop() in a finally): every process it started is stopped by pid,
-    also when the body raises or the user presses Ctrl-C.
-    """
-
-    def __init__(self, config: PDSystemConfig) -> None:
-        self.config = config
-        self.procs: list[ManagedProcess] = []
-        self.prefill: ManagedProcess | None = None
-        self.decode: ManagedProcess | None = None
-        self.proxy: ManagedProcess | None = None
-
-    def start(self, timeout: float = 60.0) -> None:
-        """Start P, D and the proxy (all at once) and wait until every one answers /health."""
-        c = self.config
-        env = blas_env(c.blas_threads)
-        common = _flags(
-            host=LOOPBACK,
-            seed=c.seed,
-            num_blocks=c.num_blocks,
-            block_size=c.block_size,
-            kv_load_failure_policy=c.policy,
-            abort_timeout=c.abort_timeout,
-            kv_load_deadline=c.kv_load_deadline,
-            log_level=c.log_level,
-        )
-        if c.faults:
-            common += _flags(faults=c.faults)
-        common += c.serve_args
-        p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-        p_args = _flags(role="prefill", port=p_port, tp=c.p_tp, bootstrap_port=free_port())
-        self.prefill = self._spawn("prefill", ["serve", *p_args, *common], p_port, env)
-        d_args = _flags(role="decode", port=d_port, tp=c.d_tp)
-        self.decode = self._spawn("decode", ["serve", *d_args, *common], d_port, env)
-        proxy_args = _flags(
-            host=LOOPBACK,
-            port=proxy_port,
-            prefill=self.prefill.url,
-            decode=self.decode.url,
-            log_level=c.log_level,
-        )
-        self.proxy = self._spawn("proxy", ["proxy", *proxy_args, *c.proxy_args], proxy_port, env)
-        wait_all_healthy(self.procs, timeout)
-
-    def _spawn(self, name: str, args: list[str], port: int, env: dict[str, str]) -> ManagedProcess:
-        proc = ManagedProcess(name, args, f"http://{LOOPBACK}:{port}", env)
-        self.procs.append(proc)
-        return proc
-
-    def dead(self) -> list[str]:
-        """Names (and exit codes) of processes that exited on their own."""
-        return [f"{p.name} (exit {code})" for p in self.procs if (code := p.exited()) is not None]
-
-    def stop(self, keep_logs: bool = False) -> None:
-        for proc in reversed(self.procs):  # all at once, then wait for each
-            with contextlib.suppress(Exception):
-                proc.terminate()
-        for proc in reversed(self.procs):
-            with contextlib.suppress(Exception):
-                proc.stop(keep_log=keep_logs)
-
-    def __enter__(self) -> PDSystem:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -14,9 +14,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvferry.harness.client import RequestResult, WorkItem, percentile
-from kvferry.harness.processes import PDSystem
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.sampler import SystemSampler
+from kvferry.harness.system import PDSystem
 
 FAILURES = "kvferry_kv_load_failures_total"
 BYTES = "kvferry_kv_transfer_bytes_total"
