@@ -155,9 +155,9 @@ def oversubscribed(n: int, stutter: bool = False, nice: int = 0,
             # busy node; `env` may point a variant at another build (PYTHONPATH) for a before/after run.
             config = PDSystemConfig(policy="fail", faults=LOADED_FAULTS, num_blocks=1024, abort_timeout=30.0,
                                     kv_load_deadline=120.0, serve_args=tuple(flags), env=(env or {}).get(name, {}),
-                                    prefix=("nice", "-n", str(nice)) if nice else ())
+                                    prefix=("nice", "-n", str(nice)) if nice else (), health_timeout=120.0)
             systems.append(PDSystem(config))
-            systems[-1].start(timeout=120)
+            systems[-1].start()
         _start_hogs(hogs)
         load = f"{len(hogs)} hogs" + (f", servers at nice {nice}" if nice else "")
         if stutter:

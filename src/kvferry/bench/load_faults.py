@@ -11,21 +11,19 @@ P killed 798/800 ok, recovery 42.3 s; their only D killed 200/800."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
-from kvferry.harness.processes import ManagedProcess, free_port, wait_all_healthy
+from kvferry.harness.system import PDSystem, PDSystemConfig, Role
 
-LOOPBACK = "127.0.0.1"
-COMMON = ("--host", LOOPBACK, "--seed", "0", "--num-blocks", "1024", "--heartbeat-timeout", "3.0")
 PROMPTS = [f"load fault {i}: " + "kv " * (10 + 7 * i) for i in range(8)]
 MAX_TOKENS = 24
 RESTART_AFTER_S = 5.0
@@ -39,38 +37,11 @@ class Result:
     why: str = ""
 
 
-@dataclass
-class _Rig:
-    """proxy + 2 P + 2 D at fixed ports, so a restarted instance comes back where it was."""
-
-    args: list[list[str]] = field(default_factory=list)
-    procs: list[ManagedProcess] = field(default_factory=list)
-    proxy: ManagedProcess | None = None
-
-    def start(self) -> None:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            port = free_port()
-            extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
-            self.args.append(["serve", "--role", role, "--port", str(port), *extra, *COMMON])
-        self.procs = [self._spawn(i) for i in range(4)]
-        port = free_port()
-        urls = [p.url for p in self.procs]
-        self.proxy = ManagedProcess("proxy", ["proxy", "--port", str(port), "--prefill", urls[0], "--prefill", urls[1],
-                                              "--decode", urls[2], "--decode", urls[3], "--health-interval", "0.5"],
-                                    f"http://{LOOPBACK}:{port}")
-        wait_all_healthy([*self.procs, self.proxy], 90)
-
-    def _spawn(self, i: int) -> ManagedProcess:
-        port = self.args[i][self.args[i].index("--port") + 1]
-        return ManagedProcess(f"{self.args[i][2]}{i}", self.args[i], f"http://{LOOPBACK}:{port}")
-
-    def restart(self, i: int) -> None:
-        self.procs[i] = self._spawn(i)
-        wait_all_healthy([self.procs[i]], 90)
-
-    def stop(self) -> None:
-        for proc in [*self.procs, *([self.proxy] if self.proxy else [])]:
-            proc.stop()
+def _system() -> PDSystem:
+    """proxy + 2 P + 2 D; a restarted instance comes back at its address."""
+    return PDSystem(PDSystemConfig(num_blocks=1024, serve_args=("--heartbeat-timeout", "3.0"), prefill=Role(count=2),
+                                   decode=Role(count=2), proxy_args=("--health-interval", "0.5"),
+                                   health_timeout=90.0))
 
 
 def _one(http: httpx.Client, url: str, prompt: str) -> tuple[bool, str, str]:
@@ -93,12 +64,9 @@ def _one(http: httpx.Client, url: str, prompt: str) -> tuple[bool, str, str]:
     return done, "".join(text), "" if done else "no [DONE]"
 
 
-def _run_row(name: str, clients: int, per_client: int, fault: Any) -> dict[str, Any]:
-    rig = _Rig()
-    rig.start()
-    try:
-        assert rig.proxy is not None
-        url = rig.proxy.url
+def _run_row(name: str, clients: int, per_client: int, fault: Callable[[PDSystem], None]) -> dict[str, Any]:
+    with _system() as system:
+        url = system.proxy.url
         with httpx.Client(timeout=120) as http:
             reference = {p: _one(http, url, p)[1] for p in PROMPTS}
         results: list[Result] = []
@@ -121,11 +89,9 @@ def _run_row(name: str, clients: int, per_client: int, fault: Any) -> dict[str, 
         while len(results) < total // 5:  # the fault lands once a fifth of the requests are answered
             time.sleep(0.01)
         fault_at = time.monotonic()
-        fault(rig)
+        fault(system)
         for t in threads:
             t.join()
-    finally:
-        rig.stop()
     after = sorted((r for r in results if r.sent_at >= fault_at and r.ok), key=lambda r: r.sent_at + r.latency_s)
     recovery = after[0].sent_at + after[0].latency_s - fault_at if after else None
     latencies = [r.latency_s for r in results]
@@ -136,51 +102,48 @@ def _run_row(name: str, clients: int, per_client: int, fault: Any) -> dict[str, 
             "first_failure": failures[0] if failures else ""}
 
 
-def _kill_and_restart(index: int) -> Any:
-    def fault(rig: _Rig) -> None:
-        os.kill(rig.procs[index].pid, signal.SIGKILL)
-        rig.procs[index].popen.wait(10)
+def _kill_and_restart(name: str) -> Callable[[PDSystem], None]:
+    def fault(system: PDSystem) -> None:
+        system.procs[name].signal(signal.SIGKILL)
+        system.procs[name].popen.wait(10)
         time.sleep(RESTART_AFTER_S)  # the scenario: the instance comes back 5 s later
-        rig.restart(index)
+        system.restart(name)
     return fault
 
 
-def _rolling(rig: _Rig) -> None:
-    for i in range(4):
-        proc = rig.procs[i]
-        os.kill(proc.pid, signal.SIGTERM)  # drains: what it holds is served, then exit 0
+def _rolling(system: PDSystem) -> None:
+    for name in [*system.names("prefill"), *system.names("decode")]:
+        proc = system.procs[name]
+        proc.signal(signal.SIGTERM)  # drains: what it holds is served, then exit 0
         code = proc.popen.wait(60)
         if code != 0:
             raise RuntimeError(f"{proc.name} exited {code} after SIGTERM: {proc.output_tail()}")
-        rig.restart(i)
+        system.restart(name)
 
 
-def _serving_d(rig: _Rig) -> int:
-    """The index of the D running a request now (-1: none yet)."""
-    for i in (2, 3):
+def _serving_d(system: PDSystem) -> str | None:
+    """The name of the D running a request now (None: none yet)."""
+    for name in system.names("decode"):
         try:
-            state = httpx.get(f"{rig.procs[i].url}/debug/state", timeout=5).json()
+            state = httpx.get(f"{system.procs[name].url}/debug/state", timeout=5).json()
         except httpx.HTTPError:
             continue
         if state.get("requests_by_status", {}).get("RUNNING"):
-            return i
-    return -1
+            return name
+    return None
 
 
 def _migration_row(kills: int) -> dict[str, Any]:
     """`kills` long streams, each with the D serving it killed (kill -9) mid-stream and restarted after;
     ok = the client's whole text equals the fault-free text (alternately temperature 0 and seeded 0.8)."""
-    rig = _Rig()
-    rig.start()
     ok, resumed_s = 0, []
-    try:
-        assert rig.proxy is not None
-        url = rig.proxy.url
+    with _system() as system:
+        url = system.proxy.url
         for k in range(kills):
             sampling = {"temperature": 0} if k % 2 == 0 else {"temperature": 0.8, "seed": k}
             body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 1500, "ignore_eos": True, **sampling}
             expected = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-            texts, done, killed_at, victim = [], False, 0.0, -1
+            texts, done, killed_at, victim = [], False, 0.0, None
             with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
                 for line in r.iter_lines():
                     if line == "data: [DONE]":
@@ -188,16 +151,14 @@ def _migration_row(kills: int) -> dict[str, Any]:
                     elif line.startswith("data: "):
                         event = json.loads(line[6:])
                         texts.append(event["choices"][0]["text"] if "choices" in event else "<error>")
-                        if victim < 0 and len(texts) >= 20 and (victim := _serving_d(rig)) >= 0:
-                            os.kill(rig.procs[victim].pid, signal.SIGKILL)
+                        if victim is None and len(texts) >= 20 and (victim := _serving_d(system)) is not None:
+                            system.procs[victim].signal(signal.SIGKILL)
                             killed_at = time.monotonic()
-            ok += done and victim >= 0 and "".join(texts) == expected
-            if victim >= 0:
+            ok += done and victim is not None and "".join(texts) == expected
+            if victim is not None:
                 resumed_s.append(time.monotonic() - killed_at)
-                rig.procs[victim].popen.wait(10)
-                rig.restart(victim)
-    finally:
-        rig.stop()
+                system.procs[victim].popen.wait(10)
+                system.restart(victim)
     return {"fault": f"D kill -9 mid-stream (1,500 tokens), {kills} times", "ok": ok, "total": kills,
             "recovery_s": None, "p50_s": round(percentile(resumed_s, 50) or 0.0, 3),
             "worst_s": round(max(resumed_s, default=0.0), 3), "first_failure": ""}
@@ -206,8 +167,8 @@ def _migration_row(kills: int) -> dict[str, Any]:
 def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
     clients, per_client = (4, 25) if quick else (8, 100)
     rows = [
-        _run_row("P kill -9, back after 5 s", clients, per_client, _kill_and_restart(0)),
-        _run_row("D kill -9, back after 5 s", clients, per_client, _kill_and_restart(2)),
+        _run_row("P kill -9, back after 5 s", clients, per_client, _kill_and_restart("prefill0")),
+        _run_row("D kill -9, back after 5 s", clients, per_client, _kill_and_restart("decode0")),
         _run_row("rolling restart (SIGTERM, all 4)", clients, per_client, _rolling),
     ]
     if not quick:  # p50_s / worst_s: from the kill to the stream's end

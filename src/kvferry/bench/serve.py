@@ -154,7 +154,7 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
     num_blocks = 2 * max(plan.concurrencies) * (-(-(PROMPT_TOKENS[1] + plan.output_tokens) // BLOCK_SIZE)) + 64
     pd = PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                  serve_args=("--model", plan.model), abort_timeout=REQUEST_TIMEOUT_S,
-                                 kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True))
+                                 kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True, health_timeout=180.0))
     rows: list[dict[str, Any]] = []
     answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
     vllm_answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
@@ -162,7 +162,7 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
     venv = vllm_load.vllm_venv() if plan.vllm else None
     try:
         model_dir = export_model(plan.model, scratch.name) if scratch is not None else ""
-        pd.start(timeout=180)
+        pd.start()
         colocated = pd.colocated
         for url in (colocated.url, pd.proxy.url):  # warm-up: connections, first allocations, D's first pull
             run_level(url, "warm-up", 2, ServePlan(output_tokens=2, min_requests=2, model=plan.model), pool[:2])

@@ -48,6 +48,7 @@ class PDSystemConfig:
     colocated: bool = False  # also one `--role both` instance with the shared flags
     proxy: bool = True
     proxy_args: tuple[str, ...] = ()  # e.g. --retries
+    health_timeout: float = 60.0  # how long a (re)started process may take to answer /health
 
 
 def _flags(**options: object) -> list[str]:
@@ -89,7 +90,7 @@ class PDSystem:
         """The names of the instances of `role`, in start order."""
         return [name for name, r in self._roles.items() if r == role]
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self) -> None:
         """Start every process at once and wait until each one answers /health."""
         c = self.config
         for role, spec in (("prefill", c.prefill), ("decode", c.decode)):
@@ -103,7 +104,7 @@ class PDSystem:
                         for flag in (f"--{role}", self.procs[name].url)]
             args = ["proxy", *_flags(host=LOOPBACK, port=port), *backends, *_flags(log_level=c.log_level), *c.proxy_args]
             self._spawn("proxy", "proxy", args, LOOPBACK, port, Role())
-        wait_all_healthy(list(self.procs.values()), timeout)
+        wait_all_healthy(list(self.procs.values()), c.health_timeout)
 
     def _instance(self, name: str, role: str, spec: Role) -> None:
         c = self.config
@@ -121,12 +122,12 @@ class PDSystem:
         self._roles[name], self._starts[name] = role, start
         self.procs[name] = start()
 
-    def restart(self, name: str, timeout: float = 60.0) -> ManagedProcess:
+    def restart(self, name: str) -> ManagedProcess:
         """A fresh process in place of `name` (stopped first if it still runs), at the same address with
         the same flags; returns it once it answers /health."""
         self.procs[name].stop()
         self.procs[name] = fresh = self._starts[name]()
-        wait_all_healthy([fresh], timeout)
+        wait_all_healthy([fresh], self.config.health_timeout)
         return fresh
 
     def dead(self) -> list[str]:
