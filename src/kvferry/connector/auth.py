@@ -4,7 +4,7 @@ alter nor replay one.
 
 Envelope (`KVC3`): magic, direction, sender session (random per socket), receiver, sequence number,
 MAC, then the msgpack payload. The MAC (HMAC-SHA256, truncated to 16 bytes) covers everything before it
-and the payload. The receiver names the one socket the message is for (issue 31.4): D → P, the P rank's
+and the payload. The receiver names the one socket the message is for : D → P, the P rank's
 advertised control address and the boot id that rank drew at start (`prefill_receiver`: what D dialled,
 as P's MAC'd bootstrap answer gave both); P → D, the session of the D socket it answers. So a sealed
 message delivered anywhere else (another rank, another P holding the secret, a P restarted at the same
@@ -93,7 +93,7 @@ def derive(secret: bytes, purpose: str) -> bytes:
 
 def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
     """P's CurveZMQ key pair (z85 public, secret), derived from the deployment secret: only a peer that
-    holds the secret knows P's public key, so only it completes the handshake (issue 31.2-4)."""
+    holds the secret knows P's public key, so only it completes the handshake."""
     secret_key = z85.encode(secret_rules.derive_key(secret, "control", context=b"curve25519 server key"))
     return zmq.curve_public(secret_key), secret_key
 
@@ -108,7 +108,7 @@ def curve_client(sock: zmq.Socket, secret: bytes | None) -> None:  # type: ignor
 
 
 def boot_id() -> bytes:
-    """What a P rank draws at start: with its address it names this one process (issue 31)."""
+    """What a P rank draws at start: with its address it names this one process."""
     return os.urandom(ID_BYTES)
 
 

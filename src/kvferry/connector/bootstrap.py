@@ -32,7 +32,7 @@ from kvferry.transfer.addr import split_addr
 log = logging.getLogger(__name__)
 
 # Every refused or failed bootstrap target gets this answer, at the same time (below): an HTTP client of
-# D must not learn which ports are open, closed or filtered, nor what the allow-list holds (issue 31.9).
+# D must not learn which ports are open, closed or filtered, nor what the allow-list holds.
 REFUSED = ("KV bootstrap failed: no kvferry prefill answered at remote_bootstrap_addr (not allowed by "
            "--prefill-allow, not reachable, or not proving the secret)")
 FAIL_AFTER_S = 2.0  # the default of `bootstrap_timeout_s`: a failure is reported this long after the lookup began

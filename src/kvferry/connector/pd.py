@@ -158,7 +158,7 @@ class PDScheduler:
     def claim(self, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
         params = kv_transfer_params or {}
         if self.is_decode:  # a bootstrap target outside --prefill-allow fails in the consumer, as every
-            return  # failed target does: one answer at one time, no port oracle (issue 31.9)
+            return  # failed target does: one answer at one time, no port oracle
         transfer_id = params.get("transfer_id")
         if params.get("do_remote_decode") and isinstance(transfer_id, str):
             with self._claims_lock:

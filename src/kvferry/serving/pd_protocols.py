@@ -118,7 +118,7 @@ class EngineResolver:
     The server lists its engines by data-parallel rank; the room picks one, as SGLang's own prefill
     ranks do (`room % number of ranks`). The address comes from the client, so the question follows the
     vLLM path's rule (`refused_alike`): only an allowed host and port is asked, and every failure is the
-    one `REFUSED` answer at one time (no SSRF, no port oracle, issue 31.5 and 31.9).
+    one `REFUSED` answer at one time (no SSRF, no port oracle).
 
     The list is not MAC'd, and need not be: whoever answers can only name an engine id, which D then
     looks up at the same address with its nonce, and that answer must carry a valid MAC (with the

@@ -1,4 +1,4 @@
-"""Resuming a stream on another instance (the proxy's decode migration, issue 32.4).
+"""Resuming a stream on another instance (the proxy's decode migration).
 
 When the D serving a stream dies, the proxy asks another instance for the same completion with
 `kvferry_resume: {"token_ids": [...], "text_sent": N}`: the tokens the client already has (as the dead D

@@ -98,7 +98,7 @@ class Dealer:
         self.on_rtt = on_rtt
         self.on_forged = on_forged
         # Sealed for this P rank of this P process alone; P's replies must name this socket's own
-        # session (issue 31.4).
+        # session.
         self._sealer = Sealer(secret, TO_PREFILL, receiver)
         self._opener = Opener(secret, TO_DECODE, self._sealer.session)
         # Send times of heartbeats not yet acked: P answers them in order on this one connection.
@@ -318,7 +318,7 @@ class Dealers(dict[tuple[int, str], Dealer]):
     """D's DEALERs: one per (D rank, P rank's control address), each sealed for one P process (its
     receiver: the address and the boot id of P's bootstrap answer). A P restarted at the same address
     (a fixed control port) is another receiver: the first pull for it retires the old DEALER (its
-    waiters fail as `peer_dead`), and an answer naming a retired process is never used again (issue 31)."""
+    waiters fail as `peer_dead`), and an answer naming a retired process is never used again."""
 
     def __init__(self, make: Callable[[str, bytes], Dealer]) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""What a stranger can make P's control port spend, bounded (issue 31.3-6).
+"""What a stranger can make P's control port spend, bounded.
 
 - **Who gets in.** With `KVFERRY_SECRET` the ROUTER is a CurveZMQ server whose key comes from the
   secret (`auth.curve_server_keys`): a peer that does not hold it fails libzmq's handshake, in libzmq's

@@ -71,7 +71,7 @@ class RankWriter:
         n = len(src) if num_blocks is None else num_blocks
         self.shared.layout.stage_out(src)
         ops = write_ops(self.shared.layout, src[:n], pull.block_ids[:n], heads, pull.d_num_blocks, pull.d_layout)
-        key = block_key(self.shared.secret, pull.transfer_id, pull.grant_token)  # keyed with a secret (#31)
+        key = block_key(self.shared.secret, pull.transfer_id, pull.grant_token)  # keyed with a secret
         checksums = [self.shared.layout.checksum(b, heads, key, i) for i, b in enumerate(src)] if pull.want_checksums else []
         return ops, checksums
 
