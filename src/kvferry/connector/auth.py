@@ -4,7 +4,7 @@ alter nor replay one.
 
 Envelope (`KVC3`): magic, direction, sender session (random per socket), receiver, sequence number,
 MAC, then the msgpack payload. The MAC (HMAC-SHA256, truncated to 16 bytes) covers everything before it
-and the payload. The receiver names the one socket the message is for : D → P, the P rank's
+and the payload. The receiver names the one socket the message is for: D → P, the P rank's
 advertised control address and the boot id that rank drew at start (`prefill_receiver`: what D dialled,
 as P's MAC'd bootstrap answer gave both); P → D, the session of the D socket it answers. So a sealed
 message delivered anywhere else (another rank, another P holding the secret, a P restarted at the same
