@@ -20,8 +20,8 @@ from rich.table import Table
 
 from kvferry.harness.client import make_workload, new_results, run_workload
 from kvferry.harness.network import VethLink, unavailable_reason
-from kvferry.harness.processes import ManagedProcess, blas_env, free_port, wait_all_healthy
 from kvferry.harness.sampler import parse_metrics, wait_drained
+from kvferry.harness.system import PDSystem, PDSystemConfig, Role
 
 SCENARIOS = ("loss", "partition", "cap")
 
@@ -36,25 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cap-mb", type=float, default=10.0, help="network: bandwidth cap (MB/s)")
 
 
-class _System:
-    def __init__(self, link: VethLink, seed: int) -> None:
-        common = ["--seed", str(seed), "--num-blocks", "2048", "--log-level", "warning"]
-        p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-        env = blas_env(1)
-        self.p = ManagedProcess("prefill", ["serve", "--role", "prefill", "--host", link.inner_ip, "--port", str(p_port),
-                                            "--bootstrap-port", str(free_port()), "--abort-timeout", "5", *common],
-                                f"http://{link.inner_ip}:{p_port}", env, prefix=link.prefix)
-        self.d = ManagedProcess("decode", ["serve", "--role", "decode", "--host", link.outer_ip, "--port", str(d_port),
-                                           "--prefill-allow", link.inner_ip,
-                                           "--kv-load-deadline", "30", *common], f"http://{link.outer_ip}:{d_port}", env)
-        self.proxy = ManagedProcess("proxy", ["proxy", "--prefill", self.p.url, "--decode", self.d.url, "--port",
-                                              str(proxy_port), "--retries", "2", "--retry-unreachable", "6"],
-                                    f"http://127.0.0.1:{proxy_port}", env)
-        self.procs = [self.p, self.d, self.proxy]
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.stop()
+def _system(link: VethLink, seed: int) -> PDSystem:
+    """P inside the namespace, D on the host end of the pair (taking pulls from P's address only), the proxy
+    on the host's loopback."""
+    return PDSystem(PDSystemConfig(
+        seed=seed, num_blocks=2048, proxy_args=("--retries", "2", "--retry-unreachable", "6"), health_timeout=90.0,
+        prefill=Role(args=("--abort-timeout", "5"), host=link.inner_ip, prefix=tuple(link.prefix)),
+        decode=Role(args=("--prefill-allow", link.inner_ip, "--kv-load-deadline", "30"), host=link.outer_ip)))
 
 
 def _kv_bytes(url: str) -> float:
@@ -64,7 +52,7 @@ def _kv_bytes(url: str) -> float:
         return 0.0
 
 
-def _scenario(name: str, link: VethLink, system: _System, args: argparse.Namespace, index: int) -> dict[str, Any]:
+def _scenario(name: str, link: VethLink, system: PDSystem, args: argparse.Namespace, index: int) -> dict[str, Any]:
     items = make_workload(args.net_requests, args.seed + index, max_prompt=1500, max_tokens=(4, 8), long_share=0.2)
     results = new_results(items)
     halt = threading.Event()
@@ -82,7 +70,7 @@ def _scenario(name: str, link: VethLink, system: _System, args: argparse.Namespa
             halt.wait(args.partition_s)
             link.heal()
 
-    bytes_before = _kv_bytes(system.d.url)
+    bytes_before = _kv_bytes(system.decode.url)
     t0 = time.monotonic()
     fault_thread = threading.Thread(target=faults, name=f"net-{name}", daemon=True)
     fault_thread.start()
@@ -93,8 +81,8 @@ def _scenario(name: str, link: VethLink, system: _System, args: argparse.Namespa
         fault_thread.join(timeout=args.partition_s + 30)
         link.heal()
     wall = time.monotonic() - t0
-    kv_mb_s = (_kv_bytes(system.d.url) - bytes_before) / wall / 1e6
-    states = wait_drained([system.p.url, system.d.url], 40)
+    kv_mb_s = (_kv_bytes(system.decode.url) - bytes_before) / wall / 1e6
+    states = wait_drained([system.prefill.url, system.decode.url], 40)
     leaked = [None if s is None else int(s["blocks_total"] - s["blocks_free"]) for s in states]
     after_items = make_workload(10, args.seed + 100 + index, max_prompt=600, max_tokens=(4, 8))
     after = new_results(after_items)
@@ -134,17 +122,13 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"kvferry chaos --network: unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
         return 2
     link = VethLink.create()
-    system: _System | None = None
     rows: list[dict[str, Any]] = []
     try:
-        system = _System(link, args.seed)
-        wait_all_healthy(system.procs, 90)
-        for index, name in enumerate(names):
-            rows.append(_scenario(name, link, system, args, index))
-            console.print(f"{name}: {'PASS' if rows[-1]['pass'] else 'FAIL'} {json.dumps(rows[-1])}")
+        with _system(link, args.seed) as system:
+            for index, name in enumerate(names):
+                rows.append(_scenario(name, link, system, args, index))
+                console.print(f"{name}: {'PASS' if rows[-1]['pass'] else 'FAIL'} {json.dumps(rows[-1])}")
     finally:
-        if system is not None:
-            system.stop()
         link.close()
     ok = all(r["pass"] for r in rows)
     table = Table(title="kvferry chaos --network")

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from kvferry.harness.chaos import fault_spec
 from kvferry.harness.client import make_workload, new_results, run_workload
-from kvferry.harness.processes import ManagedProcess, blas_env, free_port, wait_all_healthy
+from kvferry.harness.system import PDSystem, PDSystemConfig
 
 # Growth per hour above which a series "grows without bound" (well above the noise of a healthy run) ...
 LIMITS_PER_HOUR = {"fds": 60.0, "threads": 60.0, "rss_mb": 400.0, "blocks_held": 400.0, "table": 400.0}
@@ -51,57 +51,43 @@ def _proc_stats(pid: int) -> dict[str, float] | None:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
         with open(f"/proc/{pid}/status") as f:
             status = dict(line.split(":", 1) for line in f if ":" in line)
-    except OSError:
+        return {"fds": fds, "threads": int(status["Threads"]), "rss_mb": int(status["VmRSS"].split()[0]) / 1024}
+    except (OSError, KeyError):  # gone, or a zombie (no VmRSS) between a kill and its restart
         return None
-    return {"fds": fds, "threads": int(status["Threads"]), "rss_mb": int(status["VmRSS"].split()[0]) / 1024}
+
+
+# The series' names of the system's processes.
+LABELS = {"P": "prefill", "D": "decode", "proxy": "proxy"}
 
 
 @dataclass
 class _Soak:
-    args: argparse.Namespace
-    procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    system: PDSystem
     # series[(process, metric)] = [(t, value, lifetime)]
     series: dict[tuple[str, str], list[tuple[float, float, int]]] = field(default_factory=dict)
+    # A process's lifetime ends where a sample first sees another pid under its name.
     lifetimes: dict[str, int] = field(default_factory=lambda: {"P": 0, "D": 0, "proxy": 0})
+    pids: dict[str, int] = field(default_factory=dict)
     events: list[tuple[float, str]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def start(self) -> None:
-        faults = fault_spec(self.args.fault_rate, self.args.seed).to_spec()
-        common = ["--seed", str(self.args.seed), "--num-blocks", "1024", "--faults", faults,
-                  "--kv-load-failure-policy", "recompute", "--abort-timeout", "3"]
-        p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-        self.procs["P"] = ManagedProcess("prefill", ["serve", "--role", "prefill", "--port", str(p_port),
-                                                      "--bootstrap-port", str(free_port()), *common],
-                                         f"http://127.0.0.1:{p_port}", blas_env(1))
-        self.procs["D"] = ManagedProcess("decode", ["serve", "--role", "decode", "--port", str(d_port), *common],
-                                         f"http://127.0.0.1:{d_port}", blas_env(1))
-        self.procs["proxy"] = ManagedProcess(
-            "proxy", ["proxy", "--prefill", self.procs["P"].url, "--decode", self.procs["D"].url, "--port",
-                      str(proxy_port), "--retries", "6", "--retry-unreachable", "8"], f"http://127.0.0.1:{proxy_port}")
-        wait_all_healthy(list(self.procs.values()), 90)
 
     def restart(self, name: str, t: float) -> None:
-        old = self.procs[name]
-        os.kill(old.pid, signal.SIGKILL)
-        old.stop()
-        with self.lock:
-            self.lifetimes[name] += 1
-            self.procs[name] = fresh = ManagedProcess(old.name, old.args, old.url, blas_env(1))
+        self.system.procs[LABELS[name]].signal(signal.SIGKILL)
         self.events.append((t, f"kill -9 {name}"))
-        wait_all_healthy([fresh], 90)
+        self.system.restart(LABELS[name])
 
     def freeze(self, name: str, t: float) -> None:
-        pid = self.procs[name].pid
+        proc = self.system.procs[LABELS[name]]
         self.events.append((t, f"SIGSTOP {name} 2.5 s"))
-        os.kill(pid, signal.SIGSTOP)
+        proc.signal(signal.SIGSTOP)
         time.sleep(2.5)
-        os.kill(pid, signal.SIGCONT)
+        proc.signal(signal.SIGCONT)
 
     def sample(self, t: float) -> None:
-        with self.lock:
-            procs, lifetimes = dict(self.procs), dict(self.lifetimes)
-        for name, proc in procs.items():
+        for name, role in LABELS.items():
+            proc = self.system.procs[role]
+            if self.pids.setdefault(name, proc.pid) != proc.pid:
+                self.pids[name] = proc.pid
+                self.lifetimes[name] += 1
             stats = _proc_stats(proc.pid) or {}
             if name in ("P", "D"):
                 try:
@@ -112,7 +98,7 @@ class _Soak:
                 except (httpx.HTTPError, ValueError, KeyError):
                     pass
             for metric, value in stats.items():
-                self.series.setdefault((name, metric), []).append((t, float(value), lifetimes[name]))
+                self.series.setdefault((name, metric), []).append((t, float(value), self.lifetimes[name]))
 
 
 def _worst_fit(points: list[tuple[float, float, int]]) -> tuple[float, float] | None:
@@ -130,12 +116,15 @@ def _worst_fit(points: list[tuple[float, float, int]]) -> tuple[float, float] | 
 
 def run(args: argparse.Namespace) -> int:
     console = Console(width=140)
-    soak = _Soak(args)
+    faults = fault_spec(args.fault_rate, args.seed).to_spec()
+    soak = _Soak(PDSystem(PDSystemConfig(
+        seed=args.seed, policy="recompute", faults=faults, num_blocks=1024, abort_timeout=3.0, health_timeout=90.0,
+        proxy_args=("--retries", "6", "--retry-unreachable", "8"))))
     duration = args.minutes * 60
     halt = threading.Event()
     results_all: list[Any] = []
     try:
-        soak.start()
+        soak.system.start()
         t0 = time.monotonic()
 
         def load() -> None:
@@ -143,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             while not halt.is_set():
                 items = make_workload(16, args.seed + batch, max_prompt=800, max_tokens=(4, 8), long_share=0.1)
                 results = new_results(items)
-                asyncio.run(run_workload(soak.procs["proxy"].url, items, results, t0, concurrency=2, timeout=90))
+                asyncio.run(run_workload(soak.system.proxy.url, items, results, t0, concurrency=2, timeout=90))
                 results_all.extend(results)
                 batch += 1
 
@@ -167,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
             th.join(timeout=120)
     finally:
         halt.set()
-        for proc in soak.procs.values():
-            proc.stop()
+        soak.system.stop()
     rows = []
     for (name, metric), points in sorted(soak.series.items()):
         fit = _worst_fit(points)
