@@ -17,7 +17,8 @@ each id is reported once. At the end both sides drain within a bound well below 
 request waits for that safety net), every KV block is back in both pools, and kvferry's tables (P's
 transfers, claims and lent requests; D's pulls) are empty. A transfer no fault, abort, kill or reused id
 touched succeeds, an injected fault fails with its own cause; either may also fail with a cause that a
-loaded box alone gives (TIMING_CAUSES), so CI on a busy machine does not flake; D's prefix hits never fail.
+loaded box alone gives (TIMING_CAUSES), so CI on a busy machine does not flake; a transfer past D's
+prefix-cache hit (prompts that share prefixes) is held to the same, and a request that pulls nothing never fails.
 """
 
 from __future__ import annotations
@@ -456,8 +457,8 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def check_expected_outcomes(self) -> None:
         """Without abort or kill, a transfer whose both sides came in time succeeds, or fails with its
-        injected fault's cause, or with a cause only timing gives (TIMING_CAUSES); D's local prefix hits
-        never pull and never fail."""
+        injected fault's cause, or with a cause only timing gives (TIMING_CAUSES), also when it pulls only
+        the blocks past D's prefix-cache hit; a request that pulls nothing never fails."""
         if self.killed:
             return
         for t in self.transfers:
