@@ -124,13 +124,10 @@ class PDScheduler:
         self.pull(request, list(block_ids[first:num_prompt_blocks]), first)
 
     def first_block(self, request: RequestLike, num_external_tokens: int) -> int:
-        """The prompt blocks the request holds already (a prefix-cache hit): the tokens before the
-        `num_external_tokens` this side asked for, always whole blocks."""
-        hit = request.num_prompt_tokens - num_external_tokens
-        if hit < 0 or hit % self.config.block_size:
-            raise ValueError(f"request {request.request_id}: {num_external_tokens} external tokens of a "
-                             f"{request.num_prompt_tokens}-token prompt leave no whole-block prefix")
-        return hit // self.config.block_size
+        """The prompt blocks the request holds already (a prefix-cache hit): those before the
+        `num_external_tokens` it loads. Rounded down, so a scheduler that loads less than it was
+        offered (vLLM trims a load to whole blocks for some models) never has its own blocks written."""
+        return max(0, request.num_prompt_tokens - num_external_tokens) // self.config.block_size
 
     def pull(self, request: RequestLike, block_ids: list[int], first_block: int = 0) -> None:
         """Pull the prompt's KV from prompt block `first_block` on into exactly `block_ids` (vLLM's
