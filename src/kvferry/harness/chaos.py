@@ -25,13 +25,11 @@ from rich.table import Table
 from rich.text import Text
 
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
-from kvferry.engine.loader import load_codec
-from kvferry.harness.client import RequestResult, WorkItem, make_workload, new_results, run_workload
+from kvferry.harness.client import RequestResult, run_workload
 from kvferry.harness.progress import show_progress
-from kvferry.harness.questions import chat_workload
-from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.sampler import wait_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig
+from kvferry.harness.trial import against_reference, trial, workload
 
 ABORT_TIMEOUT_S = 2.0  # P's "not ready" answer; D's receive timeout is this + 5 s
 FREEZE_S = 2.5  # longer than D's heartbeat timeout
@@ -72,7 +70,8 @@ class Verdict:
     outcomes: Counter[str] = field(default_factory=Counter)
     failed_by_cause: Counter[str] = field(default_factory=Counter)
     unexpected: list[str] = field(default_factory=list)
-    mismatched: int = 0
+    mismatched: list[int] = field(default_factory=list)  # ok answers unlike the reference
+    unverified: list[int] = field(default_factory=list)  # ok answers with no reference
     hit_by_chaos: int = 0
 
 
@@ -117,12 +116,11 @@ def judge(
     results: list[RequestResult], references: dict[int, str], spec: FaultSpec, policy: str, events: list[ChaosEvent]
 ) -> Verdict:
     v = Verdict()
+    v.mismatched, v.unverified = against_reference(results, references)
     for r in results:
         v.outcomes[r.outcome] += 1
         if r.outcome == "failed" and r.error_code:
             v.failed_by_cause[r.error_code] += 1
-        if r.outcome == "ok" and references.get(r.index) is not None and r.text != references[r.index]:
-            v.mismatched += 1
         hit = _hit(r, events)
         v.hit_by_chaos += hit
         if r.outcome == "stuck" or hit:
@@ -155,48 +153,40 @@ def run(args: argparse.Namespace) -> int:
         proxy_args=("--retries", retries, "--retry-unreachable", "6"),
         serve_args=("--model", args.model),
     )
-    if args.model == "tiny":
-        items = make_workload(args.requests, args.seed, max_prompt=args.max_prompt, max_tokens=(4, 8), long_share=0.1)
-    else:
-        try:
-            codec = load_codec(args.model)
-        except ValueError as exc:  # ModelLoadError too
-            console.print(f"kvferry chaos: --model: {exc}", style="red")
-            return 2
-        items = chat_workload(codec, args.requests, args.seed, (4, 8))
-    results = new_results(items)
-    reference = ReferenceWorker(args.seed, 1, args.model)
-    reference.submit(items)
-    system = PDSystem(config)
+    try:
+        items = workload(args.model, args.requests, args.seed, (4, 8), max_prompt=args.max_prompt, long_share=0.1)
+    except ValueError as exc:  # ModelLoadError too
+        console.print(f"kvferry chaos: --model: {exc}", style="red")
+        return 2
     chaos: _PChaos | None = None
     started = time.monotonic()
-    try:
-        system.start()
-        console.print(f"kvferry chaos: {args.requests} requests, policy {args.policy}, faults {spec.to_spec()}")
-        t0 = time.monotonic()
-        if not args.no_process_chaos:
-            chaos = _PChaos(system, args.chaos_every, args.seed, t0)
-            chaos.start()
-        progress = _Progress(results, chaos, t0)
-        live = not args.no_live and console.is_terminal
-        asyncio.run(_drive(system.proxy.url, items, results, t0, args.concurrency, console, live, progress))
-        if chaos is not None:
-            chaos.halt.set()
-            chaos.join(timeout=60)
-        states = wait_drained([system.prefill.url, system.decode.url], ABORT_TIMEOUT_S + 15)
-        reference.wait(600)
-    finally:
-        if chaos is not None:
-            chaos.halt.set()
-        system.stop()
-        reference.stop()
+    with trial(config, items, args.model, console) as t:
+        system, results = t.system, t.results
+        try:
+            system.start()
+            console.print(f"kvferry chaos: {args.requests} requests, policy {args.policy}, faults {spec.to_spec()}")
+            t0 = time.monotonic()
+            if not args.no_process_chaos:
+                chaos = _PChaos(system, args.chaos_every, args.seed, t0)
+                chaos.start()
+            progress = _Progress(results, chaos, t0)
+            live = not args.no_live and console.is_terminal
+            asyncio.run(show_progress(console, live, progress.view, progress.line,
+                                      run_workload(system.proxy.url, items, results, t0, args.concurrency, 120.0)))
+            if chaos is not None:
+                chaos.halt.set()
+                chaos.join(timeout=60)
+            states = wait_drained([system.prefill.url, system.decode.url], ABORT_TIMEOUT_S + 15)
+            t.ref.wait(600)
+        finally:
+            if chaos is not None:
+                chaos.halt.set()
     events = chaos.events if chaos is not None else []
-    verdict = judge(results, reference.results, spec, args.policy, events)
+    verdict = judge(results, t.ref.results, spec, args.policy, events)
     leaked = {
         side: (None if s is None else int(s["blocks_total"] - s["blocks_free"]))
         for side, s in zip(("P", "D"), states, strict=True)
     }
-    missing_refs = sum(1 for r in results if r.outcome == "ok" and r.index not in reference.results)
     report: dict[str, Any] = {
         "requests": args.requests,
         "policy": args.policy,
@@ -208,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
         "hit_by_p_chaos": verdict.hit_by_chaos,
         "stuck": verdict.outcomes.get("stuck", 0),
         "leaked_blocks": leaked,
-        "mismatched": verdict.mismatched,
-        "unchecked_outputs": missing_refs,
+        "mismatched": len(verdict.mismatched),
+        "unchecked_outputs": len(verdict.unverified),
         "errors": dict(Counter(f"{r.http_status} {r.error_message or ''}"[:120] for r in results if r.outcome == "error")),
         "unexpected": verdict.unexpected[:50],
         "num_unexpected": len(verdict.unexpected),
@@ -219,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
     ok = (
         report["stuck"] == 0
         and all(v == 0 for v in leaked.values())
-        and verdict.mismatched == 0
-        and missing_refs == 0
+        and not verdict.mismatched
+        and not verdict.unverified
         and not verdict.unexpected
         and report["chaos_error"] is None
     )
@@ -230,17 +220,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if ok else 1
-
-
-async def _drive(url: str, items: list[WorkItem], results: list[RequestResult], t0: float, concurrency: int,
-                 console: Console, live: bool, progress: _Progress) -> None:
-    stop = asyncio.Event()
-    shown = asyncio.create_task(show_progress(console, live, progress.view, progress.line, stop))
-    try:
-        await run_workload(url, items, results, t0, concurrency, timeout=120.0)
-    finally:
-        stop.set()
-        await shown
 
 
 class _Progress:

@@ -27,30 +27,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Coroutine
-from types import FrameType
-from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.text import Text
 
 from kvferry.connector.faults import FaultSpec
-from kvferry.engine.loader import ModelLoadError, load_codec
-from kvferry.harness.client import make_workload, new_results, run_workload
+from kvferry.harness.client import run_workload
 from kvferry.harness.demo_view import plain_line, render
 from kvferry.harness.plot import write_plot
 from kvferry.harness.processes import default_blas_threads
 from kvferry.harness.progress import show_progress
-from kvferry.harness.questions import chat_workload
-from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.report import DemoRun, build_report, print_report
 from kvferry.harness.sampler import SystemSampler, is_drained
-from kvferry.harness.system import PDSystem, PDSystemConfig, Role
+from kvferry.harness.system import PDSystemConfig, Role
+from kvferry.harness.trial import trial, workload
 
 DEFAULT_FAULTS = "transport=0.06,corrupt=0.04,error_reply=0.04,seed=7"
 
@@ -127,49 +120,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _drive(run: DemoRun, console: Console, live: bool) -> None:
-    """Workload, then drain (are all blocks back?), then the reference. The sampler runs until the drain
-    ends; the view until the end."""
-    a = run.args
-    stop, stop_sampling = asyncio.Event(), asyncio.Event()
-
-    def show() -> Coroutine[Any, Any, None]:
-        return show_progress(console, live, lambda: render(run, console.width), lambda: plain_line(run), stop)
-
+    """The run under the live view, and the sampler until the drain ends."""
+    stop_sampling = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
         for side in ("p", "d"):  # the baseline of every metric delta
             if not await run.sampler.poll_metrics(client, side):
                 raise RuntimeError(f"{side.upper()} did not answer /metrics")
-    background = [asyncio.create_task(run.sampler.run(stop_sampling)), asyncio.create_task(show())]
+    sampling = asyncio.create_task(run.sampler.run(stop_sampling))
     try:
-        run.phase = "running"
-        begin = time.monotonic()
-        await run_workload(
-            run.system.proxy.url, run.items, run.results, run.started, a.concurrency, a.request_timeout
-        )
-        run.workload_s = time.monotonic() - begin
-
-        run.phase = "draining"  # every block must come back on both sides
-        end = run.workload_end = run.sampler.now()
-        begin = time.monotonic()
-        while time.monotonic() < begin + a.abort_timeout + 10.0:
-            latest = [run.sampler.latest_state(side) for side in ("p", "d")]
-            if all(x is not None and x[0] > end and is_drained(x[1]) for x in latest):
-                break
-            await asyncio.sleep(0.1)
-        run.drain_s = time.monotonic() - begin
-        stop_sampling.set()
-        await background[0]
-        run.drain_end = run.sampler.now()
-
-        run.phase = "checking outputs"
-        deadline = time.monotonic() + a.reference_timeout
-        while not run.ref.done() and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        run.phase = "done"
+        await show_progress(console, live, lambda: render(run, console.width), lambda: plain_line(run),
+                            _phases(run, stop_sampling, sampling))
     finally:
         stop_sampling.set()
-        stop.set()
-        await asyncio.gather(*background, return_exceptions=True)
+        await asyncio.gather(sampling, return_exceptions=True)
+
+
+async def _phases(run: DemoRun, stop_sampling: asyncio.Event, sampling: asyncio.Task[None]) -> None:
+    """Workload, then drain (are all blocks back?), then the reference."""
+    a = run.args
+    run.phase = "running"
+    begin = time.monotonic()
+    await run_workload(run.system.proxy.url, run.items, run.results, run.started, a.concurrency, a.request_timeout)
+    run.workload_s = time.monotonic() - begin
+
+    run.phase = "draining"  # every block must come back on both sides
+    end = run.workload_end = run.sampler.now()
+    begin = time.monotonic()
+    while time.monotonic() < begin + a.abort_timeout + 10.0:
+        latest = [run.sampler.latest_state(side) for side in ("p", "d")]
+        if all(x is not None and x[0] > end and is_drained(x[1]) for x in latest):
+            break
+        await asyncio.sleep(0.1)
+    run.drain_s = time.monotonic() - begin
+    stop_sampling.set()
+    await sampling
+    run.drain_end = run.sampler.now()
+
+    run.phase = "checking outputs"
+    deadline = time.monotonic() + a.reference_timeout
+    while not run.ref.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    run.phase = "done"
 
 
 def _print_answers(console: Console, run: DemoRun, limit: int = 4) -> None:
@@ -187,25 +178,6 @@ def _print_answers(console: Console, run: DemoRun, limit: int = 4) -> None:
 
 
 # ---- entry point ------------------------------------------------------------------------------------------
-_Handler = Callable[[int, FrameType | None], Any] | int | None
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
-def _on_signals(handler: _Handler) -> dict[int, _Handler]:
-    """Install `handler` for SIGINT and SIGTERM (main thread only); return the previous handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _restore_signals(previous: dict[int, _Handler]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
@@ -230,15 +202,11 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.max_tokens[0] <= args.max_tokens[1]:
         console.print("kvferry demo: --max-tokens MIN MAX needs 1 <= MIN <= MAX", style="red")
         return 2
-    if real:
-        try:
-            codec = load_codec(args.model)
-        except (ModelLoadError, ValueError) as exc:
-            console.print(f"kvferry demo: --model: {exc}", style="red")
-            return 2
-        items = chat_workload(codec, args.requests, args.seed, tuple(args.max_tokens))
-    else:
-        items = make_workload(args.requests, args.seed, args.max_prompt, tuple(args.max_tokens))
+    try:
+        items = workload(args.model, args.requests, args.seed, tuple(args.max_tokens), max_prompt=args.max_prompt)
+    except ValueError as exc:  # ModelLoadError too
+        console.print(f"kvferry demo: --model: {exc}", style="red")
+        return 2
     config = PDSystemConfig(
         seed=args.seed,
         policy=args.policy,
@@ -251,43 +219,29 @@ def run(args: argparse.Namespace) -> int:
         blas_threads=args.blas_threads,
         serve_args=("--model", args.model),
     )
-    system = PDSystem(config)
     live = not args.no_live and console.is_terminal
     started = time.monotonic()
-    handlers = _on_signals(_interrupt)  # SIGTERM too, so that `finally` runs and stops every process
-    ref: ReferenceWorker | None = None
-    try:
-        ref = ReferenceWorker(args.seed, args.blas_threads, args.model)
-        ref.submit(items)
-        with console.status("starting prefill, decode and proxy on loopback ..."):
-            system.start()
-        console.print(
-            f"P {system.prefill.url}   D {system.decode.url}   proxy {system.proxy.url}   "
-            f"{len(items)} requests, {args.concurrency} in flight",
-            highlight=False,
-        )
-        sampler = SystemSampler({"p": system.prefill.url, "d": system.decode.url}, time.monotonic())
-        demo = DemoRun(args, system, items, new_results(items), sampler, ref, started=sampler.t0)
-        asyncio.run(_drive(demo, console, live))
-        report = build_report(demo)
-        report["runtime_s"] = round(time.monotonic() - started, 2)
-    except KeyboardInterrupt:
-        console.print("kvferry demo: interrupted; stopping every process it started", style="yellow")
-        return 130
-    except (RuntimeError, TimeoutError) as exc:
-        console.print(f"kvferry demo: {exc}", style="red")
-        return 1
-    finally:
-        _on_signals(signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+    with trial(config, items, args.model, console, args.keep_logs) as t:
         try:
-            system.stop(keep_logs=args.keep_logs)
-            if ref is not None:
-                ref.stop()
-        finally:
-            _restore_signals(handlers)
-        if args.keep_logs:
-            for proc in system.procs.values():
-                console.print(f"log of {proc.name}: {proc.log_path}", style="dim")
+            system = t.system
+            with console.status("starting prefill, decode and proxy on loopback ..."):
+                system.start()
+            console.print(
+                f"P {system.prefill.url}   D {system.decode.url}   proxy {system.proxy.url}   "
+                f"{len(items)} requests, {args.concurrency} in flight",
+                highlight=False,
+            )
+            sampler = SystemSampler({"p": system.prefill.url, "d": system.decode.url}, time.monotonic())
+            demo = DemoRun(args, system, items, t.results, sampler, t.ref, started=sampler.t0)
+            asyncio.run(_drive(demo, console, live))
+            report = build_report(demo)
+            report["runtime_s"] = round(time.monotonic() - started, 2)
+        except KeyboardInterrupt:
+            console.print("kvferry demo: interrupted; stopping every process it started", style="yellow")
+            return 130
+        except (RuntimeError, TimeoutError) as exc:
+            console.print(f"kvferry demo: {exc}", style="red")
+            return 1
     print_report(console, report)
     _print_answers(console, demo)
     if args.json_path:

@@ -17,6 +17,7 @@ from kvferry.harness.client import RequestResult, WorkItem, percentile
 from kvferry.harness.reference import ReferenceWorker
 from kvferry.harness.sampler import SystemSampler
 from kvferry.harness.system import PDSystem
+from kvferry.harness.trial import against_reference
 
 FAILURES = "kvferry_kv_load_failures_total"
 BYTES = "kvferry_kv_transfer_bytes_total"
@@ -116,8 +117,7 @@ def build_report(run: DemoRun) -> dict[str, Any]:
     outcomes = Counter(r.outcome for r in results)
     ok = [r for r in results if r.outcome == "ok"]
     failed = [r for r in results if r.outcome == "failed"]
-    mismatched = [r.index for r in ok if r.index in run.ref.results and run.ref.results[r.index] != r.text]
-    unverified = [r.index for r in ok if r.index not in run.ref.results]
+    mismatched, unverified = against_reference(results, run.ref.results)
     causes_d = run.failures_by_cause()
     ttfts = [t for r in ok if (t := r.ttft) is not None]
     latencies = [t for r in ok if (t := r.latency) is not None]
