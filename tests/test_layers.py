@@ -93,3 +93,22 @@ def test_files_stay_small() -> None:
 def test_transfer_top_level_holds_the_shared_core_only() -> None:
     top = sorted(p.name for p in (SRC / "transfer").glob("*.py"))
     assert len(top) <= 10, top
+
+
+def test_kvferry_instances_start_in_the_one_system_module() -> None:
+    # A role can hide in a variable, so no `ManagedProcess(...)` call and no "--role" flag may appear
+    # anywhere else in src: every rig of the harness and the benches goes through harness/system.py.
+    allowed = {SRC / "harness" / "system.py", SRC / "cli.py"}
+    wrong = []
+    for path in SRC.rglob("*.py"):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                hit = (func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")) == "ManagedProcess"
+            else:
+                hit = isinstance(node, ast.Constant) and node.value == "--role"
+            if hit:
+                wrong.append(f"{path.relative_to(SRC)}:{getattr(node, 'lineno', '?')}")
+    assert not wrong, "kvferry instances started outside harness/system.py: " + ", ".join(wrong)
