@@ -49,6 +49,37 @@ def test_a_pd_through_the_proxy_is_token_identical_to_colocated(cluster: Any) ->
         assert streamed_text(cluster.proxy.url, cluster.model, p) == streamed_text(cluster.c.url, cluster.model, p)
 
 
+def test_j_multi_turn_d_pulls_only_past_its_prefix_hit(cluster: Any) -> None:
+    """A conversation: each turn's prompt (token ids) is the last one, its answer and a new message. D's
+    prefix cache holds the earlier turns' whole blocks; D pulls the rest from P and computes no prompt
+    token itself (`vllm:prompt_tokens_by_source`: at most the one a load recomputes per request, where D
+    used to compute everything past its hit), and every answer equals the colocated one."""
+    cluster.prefill("")
+    sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+    def prompt_ids(text: str) -> list[int]:
+        r = completion(cluster.c.url, cluster.model, text, max_tokens=1)
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["prompt_token_ids"])
+
+    def by_source() -> dict[str, float]:
+        return {s: cluster.d.metric("vllm:prompt_tokens_by_source_total", source=s) for s in sources}
+
+    ids: list[int] = []
+    for turn, message in enumerate([200, 100, 60], start=1):  # 200, 316 and 392 prompt tokens
+        ids += prompt_ids(prompt_of(message, 80 + turn))
+        want = tokens(completion(cluster.c.url, cluster.model, ids))
+        before = by_source()
+        assert tokens(completion(cluster.proxy.url, cluster.model, ids)) == want, f"turn {turn}"
+        counted = sum(before.values()) + len(ids)
+        wait_until(lambda n=counted: sum(by_source().values()) >= n, 10, f"D's prompt token counters for turn {turn}")
+        delta = {s: v - before[s] for s, v in by_source().items()}
+        print(f"turn {turn}: {len(ids)} prompt tokens on D: {delta}")
+        assert delta["local_compute"] <= 1, delta
+        assert turn == 1 or delta["local_cache_hit"] >= BLOCK_SIZE, delta  # turns 2, 3: past a hit
+        ids += want
+
+
 def test_d_with_another_pool_size_gives_identical_outputs(cluster: Any) -> None:
     p = cluster.prefill("")
     for server, blocks in ((p, P_BLOCKS), (cluster.d, D_BLOCKS)):
