@@ -26,7 +26,7 @@ from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, WorkerResult
 from kvferry.engine.text import ByteCodec
 
-__all__ = ["Engine", "EngineConfig", "EngineDeadError", "RequestOutput", "Sink"]
+__all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineDeadError", "RequestOutput", "Sink"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,11 @@ _PUBLISH_INTERVAL_S = 1.0
 
 class EngineDeadError(RuntimeError):
     """The engine thread is gone (it died or was stopped): nothing submitted now would ever run."""
+
+
+class EngineBusyError(TimeoutError):
+    """The engine thread is alive but did not answer in time: it is inside a step (a long prefill, a full
+    batch on a slow CPU). Asking again later gets an answer; nothing is lost."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,9 @@ class Engine:
         self._call_lock = threading.Lock()
         self._published: dict[str, Any] | None = None
         self._published_at = 0.0
+        # The snapshot command still queued (a long step): later callers wait for it rather than queue more.
+        self._snapshot_lock = threading.Lock()
+        self._pending_snapshot: Future[dict[str, Any]] | None = None
 
     # ---- thread-safe API --------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,17 +147,21 @@ class Engine:
             self._call(lambda: self._reject(request), quiet=True)
 
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
-        """State for /debug/state, computed on the engine thread so no step pays for it."""
-        future: Future[dict[str, Any]] = Future()
-
-        def command() -> None:
-            try:
-                future.set_result(self._snapshot())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self._call(command)
-        return future.result(timeout=timeout)
+        """State for /debug/state, computed on the engine thread so no step pays for it. Raises
+        EngineBusyError when the thread is in a step longer than `timeout` (ask again), EngineDeadError when
+        it is gone."""
+        with self._snapshot_lock:
+            future = self._pending_snapshot
+            if future is None or future.done():
+                fresh: Future[dict[str, Any]] = Future()
+                self._call(lambda: self._answer_snapshot(fresh))
+                future = self._pending_snapshot = fresh
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            if not self.alive:  # stopped mid-step: the queued command never runs
+                raise EngineDeadError("engine is stopped") from None
+            raise EngineBusyError(f"the engine thread is in a step longer than {timeout}s") from None
 
     def published_state(self) -> dict[str, Any] | None:
         """The state the engine thread last published (between steps), or None before the first."""
@@ -231,6 +243,12 @@ class Engine:
                 command()
             except Exception:
                 log.exception("command on a dead engine")
+
+    def _answer_snapshot(self, future: Future[dict[str, Any]]) -> None:
+        try:
+            future.set_result(self._snapshot())
+        except BaseException as exc:
+            future.set_exception(exc)
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()

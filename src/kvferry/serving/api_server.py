@@ -318,11 +318,16 @@ class _Call:
         """The next engine output, or None (and the request aborted) when the client went away."""
         while True:
             try:
-                return await asyncio.wait_for(self.outputs.get(), _DISCONNECT_POLL_S)
+                # asyncio.timeout, not wait_for: wait_for drops a cancel that lands as an output arrives.
+                async with asyncio.timeout(_DISCONNECT_POLL_S):
+                    return await self.outputs.get()
             except TimeoutError:
                 if await self.http_request.is_disconnected():
                     self.engine.abort(self.request_id)
                     return None
+            except asyncio.CancelledError:  # cut at the drain's bound: nobody waits for the rest any more
+                self.engine.abort(self.request_id)
+                raise
 
 
 async def _complete(call: _Call) -> Response:
