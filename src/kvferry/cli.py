@@ -164,6 +164,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="bench vllm: the fault matrix (kvferry and NixlConnector, fail and recompute) instead of latency")
     p.add_argument("--hogs", type=int, default=0, metavar="N",
                    help="bench vllm: P/D at vLLM's CPU defaults, alone then with N CPU-bound processes (false peer_dead)")
+    p.add_argument("--soak", type=float, default=0, metavar="MINUTES", help="bench vllm: P/D, faults, 16 clients; stalls")
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -363,9 +364,11 @@ def bench(args: argparse.Namespace) -> int:
         serve_bench.run(args.json_path, plan=plan)
         return 0
     if args.which == "vllm":
-        from kvferry.bench.vllm import faults, side_by_side, starved
+        from kvferry.bench.vllm import faults, side_by_side, soak, starved
 
-        if args.hogs:
+        if args.soak:
+            soak.run(args.json_path, args.soak, quick=args.quick)
+        elif args.hogs:
             starved.run(args.json_path, args.hogs, quick=args.quick)
         else:
             (faults if args.faults else side_by_side).run(args.json_path, quick=args.quick)
