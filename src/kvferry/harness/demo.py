@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 
 import httpx
@@ -259,13 +258,3 @@ def run(args: argparse.Namespace) -> int:
             )
     return 0 if report["ok"] else 1
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvferry.harness.demo` until the CLI wires `kvferry demo`."""
-    parser = argparse.ArgumentParser(prog="kvferry demo", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
