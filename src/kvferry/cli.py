@@ -15,7 +15,7 @@ from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
 from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pd import PDConfig
+from kvferry.connector.pd import PROGRESSIVE_MIN_TOKENS, PDConfig
 from kvferry.connector.pd_connector import PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
@@ -38,6 +38,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (P and D must agree)")
     p.add_argument("--max-prefill-chunk", type=int, default=256,
                    help="chunked prefill: most prompt tokens one request computes per step (block-aligned; 0 = no cap)")
+    p.add_argument("--progressive-push", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill: a long prompt's KV goes to D while its prefill runs, as each step completes blocks")
+    p.add_argument("--progressive-min-tokens", type=int, default=PROGRESSIVE_MIN_TOKENS,
+                   help="prefill: shorter prompts are pushed once, after their prefill (docs/results.md)")
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may send as `model`, the first one reported (default: the model's own "
@@ -269,25 +273,14 @@ def serve(args: argparse.Namespace) -> int:
     worker_connector: KVConnector | None = None
     if args.role != "both":
         pd_config = PDConfig(
-            role=args.role,
-            engine_id=engine_id,
-            host=args.host,
-            tp_size=args.tp,
-            block_size=args.block_size,
-            bootstrap_port=args.bootstrap_port,
-            abort_timeout_s=args.abort_timeout,
-            kv_load_deadline_s=args.kv_load_deadline,
-            transfer=args.transfer,
-            faults=faults,
-            checksums=not args.no_checksums,
-            heartbeat_interval_s=args.heartbeat_interval,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            heartbeat_ceiling_s=args.heartbeat_ceiling,
-            prefill_allow=tuple(allow.entries),
-            bootstrap_timeout_s=args.bootstrap_timeout,
-            control_port=args.control_port,
-            data_port=args.data_port,
-            advertise_host=advertised,
+            role=args.role, engine_id=engine_id, host=args.host, tp_size=args.tp, block_size=args.block_size,
+            bootstrap_port=args.bootstrap_port, abort_timeout_s=args.abort_timeout,
+            kv_load_deadline_s=args.kv_load_deadline, transfer=args.transfer, faults=faults,
+            checksums=not args.no_checksums, heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout, heartbeat_ceiling_s=args.heartbeat_ceiling,
+            prefill_allow=tuple(allow.entries), bootstrap_timeout_s=args.bootstrap_timeout,
+            control_port=args.control_port, data_port=args.data_port, advertise_host=advertised,
+            progressive_push=args.progressive_push, progressive_min_tokens=args.progressive_min_tokens,
         )
         scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)
         worker_connector = PDConnector(ConnectorRole.WORKER, pd_config, metrics)

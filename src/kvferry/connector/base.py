@@ -98,6 +98,16 @@ class KVConnector(abc.ABC):
     def transfers_ended(self, request_ids: set[str]) -> None:  # noqa: B027 - optional
         """The worker reported these requests' delayed frees done (`finished_sending`)."""
 
+    def pushes_progressively(self, request: RequestLike) -> bool:
+        """P, at admission: the connector sends this request's KV while it is computed (no state change).
+        The host then gives it every block it can need at once, never preempts it, reports its progress
+        after each step (`prefill_progress`) and frees its blocks only through `request_finished`."""
+        return False
+
+    def prefill_progress(self, request: RequestLike, block_ids: Sequence[int], num_computed_tokens: int) -> None:  # noqa: B027
+        """P, after a step: a `pushes_progressively` request holds `block_ids` and computed this many
+        tokens of its prompt (whole blocks of them are final: the connector may read them now)."""
+
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata: ...
 

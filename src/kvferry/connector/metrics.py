@@ -52,6 +52,10 @@ class Metrics:
         self.recomputed_tokens = Counter(
             "kvferry_recomputed_tokens", "Prompt tokens recomputed locally after a failed KV load", registry=r
         )
+        self.progressive_writes = Counter(
+            "kvferry_progressive_writes", "P: partial writes of a prompt's KV started while its prefill still ran",
+            registry=r,
+        )
         self.kv_leases_expired = Counter(
             "kvferry_kv_leases_expired", "Transfers whose blocks P freed because nobody pulled them", registry=r
         )

@@ -8,6 +8,7 @@ kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,10 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.transfer.addr import join_addr
+
+# Below this a prompt is pushed once, after its prefill, as before progressive push (docs/results.md:
+# the prompts one step computes, at the default --max-prefill-chunk, gain nothing from it).
+PROGRESSIVE_MIN_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,10 @@ class PDConfig:
     control_port: int = 0
     data_port: int = 0
     advertise_host: str = ""
+    # P: a prompt of at least this many tokens goes to D while its prefill runs, its blocks as each
+    # engine step completes them (`Progress`); a shorter one, or any with it off, once its prefill ended.
+    progressive_push: bool = True
+    progressive_min_tokens: int = PROGRESSIVE_MIN_TOKENS
 
     @property
     def advertised_host(self) -> str:
@@ -74,12 +83,35 @@ class SendSpec:
     first_token: FirstToken | None = None
 
 
+@dataclass(frozen=True)
+class Progress:
+    """P: the prompt blocks a running prefill completed so far (whole blocks, in order), and the prompt
+    they belong to, so P checks a pull against it before writing any of them."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    prompt_digest: str
+
+
+@dataclass(frozen=True)
+class Dead:
+    """P: a request that ended without KV; `lent`: its blocks go to the producer (a partial write may read
+    them), which hands them back in finished_sending."""
+
+    transfer_id: str
+    request_id: str
+    lent: bool = False
+
+
 @dataclass
 class PDMetadata(ConnectorMetadata):
     # (transfer_id, P request id) of requests P queued: their KV is coming
     working: list[tuple[str, str]] = field(default_factory=list)
+    progress: list[Progress] = field(default_factory=list)
     to_send: list[SendSpec] = field(default_factory=list)
-    dead_transfers: list[tuple[str, str]] = field(default_factory=list)
+    dead_transfers: list[Dead] = field(default_factory=list)
     to_pull: list[PullSpec] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
 
@@ -91,8 +123,9 @@ class PDScheduler:
         self.config = config
         self.metrics = metrics
         self._working: list[tuple[str, str]] = []
+        self._progress: list[Progress] = []
         self._to_send: list[SendSpec] = []
-        self._dead: list[tuple[str, str]] = []
+        self._dead: list[Dead] = []
         self._to_pull: list[PullSpec] = []
         self._pulling: set[str] = set()
         PrefillAllowList(config.prefill_allow)  # a bad entry fails here, at start
@@ -102,6 +135,7 @@ class PDScheduler:
         self._claims_lock = threading.Lock()
         self._lent: dict[str, str] = {}  # P request id → transfer id, while its blocks wait for D
         self._duplicates: set[str] = set()  # P requests that came under a live transfer_id
+        self._pushing: dict[str, Progress] = {}  # P request id → its last progress, while it prefills
 
     @property
     def is_decode(self) -> bool:
@@ -192,10 +226,30 @@ class PDScheduler:
             return
         self._working.append((transfer_id, request.request_id))
 
+    def pushes_progressively(self, request: RequestLike) -> bool:
+        """P: whether this request's KV goes to D while it is computed (side-effect free)."""
+        params = request.kv_transfer_params or {}
+        transfer_id = params.get("transfer_id")
+        return (not self.is_decode and self.config.progressive_push and bool(params.get("do_remote_decode"))
+                and isinstance(transfer_id, str) and request.request_id not in self._duplicates
+                and request.num_prompt_tokens >= self.config.progressive_min_tokens)
+
+    def prefill_progress(self, request: RequestLike, block_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """P: the request (`pushes_progressively`) computed this much of its prompt after a step."""
+        complete = min(num_computed_tokens, request.num_prompt_tokens) // self.config.block_size
+        last = self._pushing.get(request.request_id)
+        if complete == 0 or (last is not None and complete <= len(last.block_ids)):
+            return
+        if last is None:
+            transfer_id = str((request.kv_transfer_params or {})["transfer_id"])
+            last = Progress(transfer_id, request.request_id, [], request.num_prompt_tokens, self._digest(request))
+        self._pushing[request.request_id] = progress = dataclasses.replace(last, block_ids=list(block_ids[:complete]))
+        self._progress.append(progress)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
-        meta = PDMetadata(self._working, self._to_send, self._dead, self._to_pull,
+        meta = PDMetadata(self._working, self._progress, self._to_send, self._dead, self._to_pull,
                           set(scheduler_output.finished_req_ids))
-        self._working, self._to_send, self._dead, self._to_pull = [], [], [], []
+        self._working, self._progress, self._to_send, self._dead, self._to_pull = [], [], [], [], []
         return meta
 
     def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -212,10 +266,12 @@ class PDScheduler:
         if request.request_id in self._duplicates:
             self._duplicates.discard(request.request_id)
             return False, None
+        # Blocks a partial write may be reading stay out of the pool until the producer hands them back.
+        lent = self._pushing.pop(request.request_id, None) is not None and bool(block_ids)
         if request.finish_reason not in ("stop", "length") or not block_ids:
-            self._dead.append((transfer_id, request.request_id))
+            self._dead.append(Dead(transfer_id, request.request_id, lent))
             self._release_claim(transfer_id, request.request_id)
-            return False, None
+            return lent, None
         self._lent[request.request_id] = transfer_id
         self._to_send.append(SendSpec(transfer_id, request.request_id, list(block_ids), request.num_prompt_tokens,
                                       self._digest(request), request.first_token))

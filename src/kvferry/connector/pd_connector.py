@@ -60,6 +60,12 @@ class PDConnector(KVConnector):
     def on_request_added(self, request: RequestLike) -> None:
         self.scheduler.on_request_added(request)
 
+    def pushes_progressively(self, request: RequestLike) -> bool:
+        return self.scheduler.pushes_progressively(request)
+
+    def prefill_progress(self, request: RequestLike, block_ids: Sequence[int], num_computed_tokens: int) -> None:
+        self.scheduler.prefill_progress(request, block_ids, num_computed_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 

@@ -101,11 +101,13 @@ class PDWorker:
             self.producer.step_started()
             for transfer_id, request_id in metadata.working:  # before to_send: it may end in its first step
                 self.producer.add_working(transfer_id, request_id)
+            for p in metadata.progress:
+                self.producer.add_progress(p.transfer_id, p.request_id, p.block_ids, p.num_tokens, p.prompt_digest)
             for send in metadata.to_send:
                 self.producer.add_ready(send.transfer_id, send.request_id, send.block_ids, send.num_tokens,
                                         send.prompt_digest, send.first_token)
-            for transfer_id, request_id in metadata.dead_transfers:
-                self.producer.add_dead(transfer_id, request_id)
+            for dead in metadata.dead_transfers:
+                self.producer.add_dead(dead.transfer_id, dead.request_id, dead.lent)
         if self.consumer is not None:
             self.consumer.start_pulls(metadata.to_pull)
             # A request that ended before admission shows up here too, with its release-only pull.

@@ -71,6 +71,9 @@ class Request:
     num_recomputed_tokens: int = 0
     num_external_tokens: int = 0
     num_preemptions: int = 0
+    # P, progressive push: the connector reads its computed blocks while it runs, so it holds every block
+    # it can need from admission on, is never preempted, and its blocks go back through the connector.
+    kv_lent: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

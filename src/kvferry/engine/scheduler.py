@@ -122,11 +122,15 @@ class Scheduler:
             request = running.pop(0)
             n = self._chunk_size(request, budget)
             while not self._grow(request, request.num_computed_tokens + n):
-                if not running:
-                    self._preempt(request)
+                # A lent request is never the victim (a write may read its blocks); it never grows either.
+                victim = next((r for r in reversed(running) if not r.kv_lent), None)
+                if victim is None:
+                    if not request.kv_lent:
+                        self._preempt(request)
                     preempted = True
                     break
-                self._preempt(running.pop())
+                running.remove(victim)
+                self._preempt(victim)
                 preempted = True
             else:
                 scheduled.append(request)
@@ -145,8 +149,12 @@ class Scheduler:
                         queue.popleft()
                         continue
                 n = self._chunk_size(request, budget)
-                if not self._grow(request, request.num_computed_tokens + n):
+                lend = queue is self.waiting and request.status != RequestStatus.PREEMPTED and (
+                    self.connector.pushes_progressively(request))
+                want = request.num_prompt_tokens + request.sampling_params.max_tokens - 1 if lend else n
+                if not self._grow(request, request.num_computed_tokens + want):
                     break  # first come, first served: nothing behind it may take the blocks it waits for
+                request.kv_lent = request.kv_lent or lend
                 queue.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -217,6 +225,9 @@ class Scheduler:
             if request.is_finished:  # aborted during the step
                 continue
             request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
+            if request.kv_lent and request.num_computed_tokens < request.num_prompt_tokens:
+                table = self.block_tables[request.request_id]
+                self.connector.prefill_progress(request, table, request.num_computed_tokens)
             token = sampled.get(request.request_id)
             if token is not None:
                 request.output_token_ids.append(token)

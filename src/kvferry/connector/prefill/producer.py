@@ -1,7 +1,8 @@
 """Prefill side (worker role): hold finished prefills' blocks per transfer_id and serve D's pulls.
 
 One ZMQ ROUTER and one TransferEngine per TP rank, each served by its own thread. A pull may arrive
-before the prefill is done: it is parked and served when the KV is ready; while P has the request
+before the prefill is done: it is parked, gets the blocks the running prefill completed after each
+engine step (progressive push, `parked.py`) and the rest when the KV is ready; while P has the request
 queued or prefilling it waits (D is told so in heartbeat acks), otherwise it is answered err_reqs
 "Timeout waiting for P side ready" after the abort timeout. Writes run on one thread per D peer
 (`senders.py`), so a hung D stalls only its own writes; a D whose lease runs out has its writes
@@ -104,6 +105,13 @@ class Producer:
         if not self.serves_nobody:
             self.table.add_working(transfer_id, request_id)
 
+    def add_progress(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int,
+                     prompt_digest: str) -> None:
+        """The running prefill completed these prompt blocks: a parked pull gets them now."""
+        if not self.serves_nobody:
+            self.table.add_progress(transfer_id, request_id, block_ids, num_tokens, prompt_digest)
+            self._wake_all()
+
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int,
                   prompt_digest: str = "", first_token: FirstToken | None = None) -> None:
         if self.serves_nobody:
@@ -113,10 +121,14 @@ class Producer:
                              first_token)
         self._wake_all()
 
-    def add_dead(self, transfer_id: str, request_id: str) -> None:
-        """The P request ended without KV: answer any pull for it with ERROR."""
-        if not self.serves_nobody:
-            self.table.add_dead(transfer_id, request_id, time.monotonic())
+    def add_dead(self, transfer_id: str, request_id: str, lent: bool = False) -> None:
+        """The P request ended without KV: answer any pull for it with ERROR. `lent`: its blocks come too
+        (a partial write may read them), handed back once none does."""
+        if self.serves_nobody:
+            if lent:
+                self.table.add_unserved(request_id)
+        else:
+            self.table.add_dead(transfer_id, request_id, time.monotonic(), lent)
         self._wake_all()
 
     def drain_finished(self) -> set[str]:

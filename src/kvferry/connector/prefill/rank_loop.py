@@ -4,9 +4,11 @@ Nothing one peer sends can end this loop: every item (a message, a parked pull, 
 sweep) runs under its own guard; an unexpected exception costs that item an ERROR reply (naming its
 transfer and request when they can be read), a log line and a count of `kvferry_producer_errors_total`.
 Heartbeats are answered here and nothing here waits on the engine thread, the data plane or a
-checksum: writes and their checksums run on the per-peer send threads. What strangers can make the
-socket spend is bounded in `guard.py`; one turn reads messages for at most `TURN_BUDGET_S`, then
-answers what it owes (heartbeat acks first in line), so no flood holds a reply back.
+checksum: writes and their checksums run on the per-peer send threads. Pulls that come before their
+KV is ready wait in `parked.py` (which also pushes a running prefill's blocks early). What strangers
+can make the socket spend is bounded in `guard.py`; one turn reads messages for at most
+`TURN_BUDGET_S`, then answers what it owes (heartbeat acks first in line), so no flood holds a reply
+back.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -54,8 +55,9 @@ from kvferry.connector.messages import (
     salvage_ids,
 )
 from kvferry.connector.prefill.guard import Connections, DropLog, configure_router
-from kvferry.connector.prefill.transfers import NOT_READY_MSG, Write
-from kvferry.connector.prefill.writes import RankShared, RankWriter
+from kvferry.connector.prefill.parked import ParkedPulls
+from kvferry.connector.prefill.records import Kind, Write
+from kvferry.connector.prefill.writes import Pushed, RankShared, RankWriter
 from kvferry.connector.prefill.writes import response as _response
 from kvferry.transfer.addr import canonical_addr, join_addr
 
@@ -63,15 +65,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # the longest one turn waits for a message
 TURN_BUDGET_S = 0.02  # the most one turn spends reading messages before it sends what it owes
-
-
-@dataclass
-class Parked:
-    """A pull that came before its KV was ready."""
-
-    identity: bytes
-    pull: PullRequest
-    deadline: float  # answered "not ready" after this, unless P is still working on the request
 
 
 class RankLoop(threading.Thread):
@@ -102,7 +95,7 @@ class RankLoop(threading.Thread):
         self._sealer = Sealer(shared.secret, TO_DECODE)
         self._opener = Opener(shared.secret, TO_PREFILL, prefill_receiver(self.address, self.boot))
         self._sessions: OrderedDict[bytes, bytes] = OrderedDict()
-        self._parked: list[Parked] = []
+        self.parked = ParkedPulls(shared, rank, self.writer, self.reply, self._guard, self._on_pull, self.wake)
         self._last_turn = time.monotonic()
 
     def wake(self) -> None:
@@ -147,7 +140,7 @@ class RankLoop(threading.Thread):
         self._flush()
         if self.sock in events:
             self._drain_socket()
-        self._retry_parked()
+        self.parked.retry()
         self._flush()
         if self.rank == min(self.shared.engines):  # one loop sweeps
             self._guard("lease sweep", lambda: self._cancel(self.shared.table.expire(polled - overrun)))
@@ -285,7 +278,9 @@ class RankLoop(threading.Thread):
             return spec.peer_mismatch(pull.d_layout)
         return None
 
-    def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> None:
+    def _on_pull(self, identity: bytes, pull: PullRequest, now: float, pushed: Pushed | None = None) -> None:
+        """A pull from D, or a parked one whose transfer settled (`pushed`: what partial writes gave it;
+        every ERROR answer carries their checksums, so D keeps the blocks that arrived)."""
         addr = _normal_addr(pull.d_transfer_addr)
         if addr is None:
             self.reply(identity, _response(pull, Status.ERROR, err_msg=f"bad d_transfer_addr {pull.d_transfer_addr[:100]!r}"))
@@ -306,77 +301,48 @@ class RankLoop(threading.Thread):
             return
         # The entries of the transfer's blocks D's ids stand for (past D's prefix-cache hit).
         positions = self.shared.layout.pull_positions(pull.num_tokens, pull.first_block) if pull.block_ids else []
+        if pushed is None and (item := self.parked.find(pull)) is not None:
+            # The same pull again (D's connection dropped): its answer goes to this connection.
+            item.identity, item.deadline = identity, now + self.shared.abort_timeout_s
+            self.shared.table.renew([pull.transfer_id], pull.lease_s, now)
+            return
+        pushed = pushed or Pushed()
         v = self.shared.table.begin_pull(pull, self.rank, now, positions, park=fault == "p_not_ready",
-                                         drop=fault == "drop_reply")
-        if v.kind == "ended":  # a late pull: P already let this transfer go; say so now, not at a timeout
+                                         drop=fault == "drop_reply", sent=pushed.sent)
+        sums = pushed.checksums
+        if v.kind == Kind.ENDED:  # a late pull: P already let this transfer go; say so now, not at a timeout
             if pull.block_ids:
-                self.reply(identity, _response(pull, Status.ERROR, cause="expired",
+                self.reply(identity, _response(pull, Status.ERROR, cause="expired", checksums=sums,
                                                err_msg=f"transfer already ended on P ({v.why})"))
             else:
                 self.reply(identity, _response(pull, Status.FINISH))
-        elif v.kind in ("full", "dead", "short", "refused"):
-            self.reply(identity, _response(pull, Status.ERROR, err_msg=v.why))
-        elif v.kind == "mismatch":
+        elif v.kind in (Kind.FULL, Kind.DEAD, Kind.SHORT, Kind.REFUSED):
+            self.reply(identity, _response(pull, Status.ERROR, err_msg=v.why, checksums=sums))
+        elif v.kind == Kind.MISMATCH:
             self.reply(identity, _response(pull, Status.ERROR, cause="prompt_mismatch", err_msg=v.why))
-        elif v.kind == "released":
+        elif v.kind == Kind.RELEASED:
             self.reply(identity, _response(pull, Status.FINISH))
-        elif v.kind == "answered":  # D sent it again: the answer may have gone with a dropped connection
+        elif v.kind == Kind.ANSWERED:  # D sent it again: the answer may have gone with a dropped connection
             assert v.answer is not None
             self.reply(identity, v.answer)
-        elif v.kind == "writing":  # the same pull again: its write is in flight, and will answer it
+        elif v.kind == Kind.WRITING:  # the same pull again: its write is in flight, and will answer it
             self.reply(identity, _response(pull, Status.CONTINUE))
-        elif v.kind == "park":
-            self._parked = [p for p in self._parked if not _same_pull(p.pull, pull)]
-            self._parked.append(Parked(identity, pull, now + self.shared.abort_timeout_s))
-        elif v.kind == "write":
+        elif v.kind == Kind.PARK:
+            self.parked.park(identity, pull, now, positions, pushed)
+        elif v.kind == Kind.WRITE:
             assert v.write is not None
             self.reply(identity, _response(pull, Status.CONTINUE))
-            self._submit(identity, pull, v.write, v.blocks, fault, v.first_token)
-        # "drop": the injected fault, this pull is never answered
+            self._submit(identity, pull, v.write, v.blocks, fault, v.first_token, pushed)
+        # DROP: the injected fault, this pull is never answered
 
     def _submit(self, identity: bytes, pull: PullRequest, w: Write, blocks: list[int], fault: str | None,
-                first_token: FirstToken | None = None) -> None:
-        job = functools.partial(self.writer.serve, self.reply, identity, pull, w, blocks, fault, first_token)
+                first_token: FirstToken | None, pushed: Pushed) -> None:
+        job = functools.partial(self.writer.serve, self.reply, identity, pull, w, blocks, fault, first_token, pushed)
         try:
             self.shared.senders.submit(f"{self.rank}/{pull.d_transfer_addr}", job)
         except Exception:
             self.shared.table.write_done(w, failed=True)
             raise
-
-    def _retry_parked(self) -> None:
-        if not self._parked:
-            return
-        now = time.monotonic()
-        parked, self._parked = self._parked, []
-        for item in parked:
-
-            def answer(exc: Exception, item: Parked = item) -> None:
-                self.reply(item.identity, _response(item.pull, Status.ERROR, err_msg=f"P internal error: {exc!r}"))
-
-            self._guard("parked pull", functools.partial(self._retry, item, now), answer)
-
-    def _retry(self, item: Parked, now: float) -> None:
-        pull = item.pull
-        state = self.shared.table.parked_state(pull.transfer_id)
-        if self.shared.faults.fault_for(pull.transfer_id) == "p_not_ready":
-            state = "waiting"  # the injected fault: P never gets ready
-        if state == "settled":
-            self._on_pull(item.identity, pull, now)  # served, or answered why it cannot be
-        elif state == "working" or self.shared.in_step.is_set():
-            # P is on it, or its engine is inside a step and may not have taken the request in yet:
-            # the abort timeout counts only while P could know. D's own deadline bounds the wait.
-            item.deadline = now + self.shared.abort_timeout_s
-            self._parked.append(item)
-        elif now >= item.deadline:
-            self.reply(item.identity, _response(pull, Status.FINISH, err_reqs=[pull.d_request_id], err_msg=NOT_READY_MSG))
-            self.shared.table.give_up(pull.transfer_id)
-        else:
-            self._parked.append(item)
-
-
-def _same_pull(a: PullRequest, b: PullRequest) -> bool:
-    return (a.transfer_id, a.d_request_id, a.d_tp_rank, a.grant_token) == (
-        b.transfer_id, b.d_request_id, b.d_tp_rank, b.grant_token)
 
 
 def _normal_addr(addr: str) -> str | None:

@@ -1,10 +1,13 @@
-"""P's transfers by transfer_id: blocks held for D, placeholders for early pulls, leases, writes in
-flight, and a bounded memory of transfers that already ended.
+"""P's transfers by transfer_id: blocks held for D, placeholders for early pulls, the blocks a running
+prefill completed so far (progressive push), leases, writes in flight, and a bounded memory of transfers
+that already ended.
 
 The table is the one owner of a transfer's lifecycle. Every path that ends a transfer (served,
 failed write, released, expired, dead prefill) only *dooms* it; `_settle` is the one function that
 frees, and only once no write reads its blocks. So blocks are freed exactly once and never under an
 in-flight write; a write is a handle, so a late or repeated completion cannot drive a count negative.
+A partial write (progressive push: blocks of a prefill still running) is a `Write` like any other, so a
+request that ends without KV while one is in flight lends its blocks here until it returns.
 Shared by the engine thread (working / ready / dead) and the rank threads under one lock; freed
 transfers reach the engine as `finished_sending`.
 """
@@ -16,11 +19,13 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from kvferry.connector.auth import remember
 from kvferry.connector.messages import FirstToken, PullRequest, PullResponse
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.prefill.records import Kind, Transfer, Verdict, Write, mismatch
+
+__all__ = ["NOT_READY_MSG", "Kind", "Transfer", "TransferTable", "Verdict", "Write"]
 
 log = logging.getLogger(__name__)
 
@@ -31,55 +36,6 @@ MAX_RECENT = 20_000  # ended transfer ids remembered, so a late pull gets `expir
 # went with it) gets the same one; an evicted one gets `expired` (a failure, never a silent loss).
 MAX_ANSWERS = 4096
 AnswerKey = tuple[str, int, int, str]  # (transfer_id, P rank, D rank, D's grant token)
-
-
-@dataclass(eq=False)
-class Write:
-    """One data-plane write in flight: it reads the transfer's blocks until `write_done`."""
-
-    transfer_id: str
-    p_rank: int
-    d_rank: int
-    d_tp: int
-    peer: str  # D rank's transfer address (where the write goes)
-    token: str = ""  # D's grant for this write: cancelling it cancels nothing else
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """`begin_pull`'s answer: ended (why), full, released, drop, dead, park, short, refused (another
-    live pull), mismatch (not the prompt P computed), write, or for the same pull again: writing (its
-    write is in flight) or answered (`answer`: what its write answered)."""
-
-    kind: str
-    why: str = ""
-    write: Write | None = None
-    blocks: list[int] = field(default_factory=list)
-    first_token: FirstToken | None = None  # what P sampled after the prompt, for D (with the write)
-    answer: PullResponse | None = None
-
-
-@dataclass
-class Transfer:
-    transfer_id: str
-    expires: float  # doomed as "expired" after this (unless P is still working on it)
-    request_id: str | None = None
-    owner: str | None = None  # the P request that claimed this transfer_id: no other may use it
-    block_ids: list[int] | None = None  # set once the prefill is done
-    num_tokens: int = 0
-    prompt_digest: str = ""
-    first_token: FirstToken | None = None
-    d_tp: int | None = None  # D's tp size, fixed by the first pull
-    dead: str | None = None  # the P request ended without KV (aborted, error)
-    working: bool = False  # P has the request queued or prefilling: its KV is coming
-    leased: bool = False  # a pull came: from then on D's lease (its heartbeats) decides
-    writes: set[Write] = field(default_factory=set)  # in flight: never free under them
-    served: set[tuple[int, int]] = field(default_factory=set)  # (p_rank, d_rank) pairs done
-    doomed: str | None = None  # why it ends; freed by `_settle` once no write is in flight
-
-    @property
-    def ready(self) -> bool:
-        return self.block_ids is not None
 
 
 class TransferTable:
@@ -112,13 +68,16 @@ class TransferTable:
         self._settle(t)
 
     def _settle(self, t: Transfer) -> None:
-        if t.doomed is None or t.writes or self._transfers.get(t.transfer_id) is not t:
+        if t.writes or self._transfers.get(t.transfer_id) is not t:
+            return
+        if t.request_id is not None and (t.doomed is not None or t.dead is not None):
+            self._finished.add(t.request_id)  # a dead request's blocks lent for a partial write, too
+            self.waker()
+            t.request_id = None
+        if t.doomed is None:
             return
         del self._transfers[t.transfer_id]
         self._remember(t.transfer_id, t.doomed)
-        if t.request_id is not None:
-            self._finished.add(t.request_id)
-            self.waker()
         if t.doomed == "expired" and t.ready:
             self.metrics.kv_leases_expired.inc()
             log.warning("transfer %s expired: its blocks were never (fully) pulled", t.transfer_id)
@@ -165,6 +124,18 @@ class TransferTable:
             if not t.ready and t.dead is None:
                 t.working = True
 
+    def add_progress(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int,
+                     prompt_digest: str) -> None:
+        """The running prefill completed the prompt blocks `block_ids` (all so far, in order). The prompt
+        they belong to comes with them, so a pull is checked against it before any byte is written."""
+        with self.lock:
+            t = self._entry(transfer_id, request_id, math.inf)
+            if t is None or t.ready or t.dead is not None:
+                return
+            t.owner, t.num_tokens, t.prompt_digest, t.working = request_id, num_tokens, prompt_digest, True
+            if len(block_ids) > len(t.progress):
+                t.progress = list(block_ids)
+
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, now: float,
                   prompt_digest: str = "", first_token: FirstToken | None = None) -> None:
         with self.lock:
@@ -187,13 +158,21 @@ class TransferTable:
             self._finished.add(request_id)
             self.waker()
 
-    def add_dead(self, transfer_id: str, request_id: str, now: float) -> None:
+    def add_dead(self, transfer_id: str, request_id: str, now: float, lent: bool = False) -> None:
+        """The P request ended without KV; `lent`: its blocks come here (a partial write may read them),
+        freed once no write does."""
         with self.lock:
             t = self._entry(transfer_id, request_id, 0.0)
             if t is None:
+                if lent:
+                    self._finished.add(request_id)
+                    self.waker()
                 return
             t.dead, t.working = "prefill request ended without KV (aborted or failed)", False
             t.expires = now + self.abort_timeout_s if not t.leased or t.expires == math.inf else t.expires
+            if lent:
+                t.request_id = request_id
+                self._settle(t)
 
     def drain_finished(self) -> set[str]:
         with self.lock:
@@ -234,55 +213,88 @@ class TransferTable:
         t.leased = True
 
     def begin_pull(self, pull: PullRequest, p_rank: int, now: float, positions: Sequence[int] | None = None,
-                   park: bool = False, drop: bool = False) -> Verdict:
+                   park: bool = False, drop: bool = False, sent: int = 0) -> Verdict:
         """What to do with a pull (`park`: wait even if ready; `drop`: never answer — injected faults).
         `positions`: the entries of the transfer's blocks that D's block ids stand for, in order (default:
-        the first ones). A "write" verdict holds a `Write`: the blocks stay until its `write_done`."""
+        the first ones); `sent`: how many of them partial writes already delivered. A WRITE verdict holds a
+        `Write` for the rest: the blocks stay until its `write_done`."""
         with self.lock:
             answer = self._answers.get((pull.transfer_id, p_rank, pull.d_tp_rank, pull.grant_token))
             if answer is not None and answer.d_request_id == pull.d_request_id:
-                return Verdict("answered", answer=answer)  # D asks again: its answer went with a connection
+                return Verdict(Kind.ANSWERED, answer=answer)  # D asks again: its answer went with a connection
             t = self._transfers.get(pull.transfer_id)
             if t is None and pull.transfer_id in self._recent:
-                return Verdict("ended", self._recent[pull.transfer_id])
+                return Verdict(Kind.ENDED, self._recent[pull.transfer_id])
             if t is not None and t.doomed is not None:
-                return Verdict("ended", t.doomed)
+                return Verdict(Kind.ENDED, t.doomed)
             t = self.get_or_placeholder(pull.transfer_id, now)
             if t is None:
-                return Verdict("full", "too many pending transfers")
+                return Verdict(Kind.FULL, "too many pending transfers")
             if not pull.block_ids:  # release-only pull: D will never read these blocks
                 self.doom(t, "released")
-                return Verdict("released")
-            if t.d_tp is not None and t.d_tp != pull.d_tp_size:
-                return Verdict("refused", f"transfer is pulled with D tp_size {t.d_tp}, not {pull.d_tp_size}")
-            live = [w for w in t.writes if w.p_rank == p_rank and w.d_rank == pull.d_tp_rank]
-            if live and pull.grant_token and all(w.token == pull.grant_token for w in live):
-                self.lease(t, now, pull.lease_s)
-                return Verdict("writing")  # the same pull again: its write goes on, and answers it
-            if live or (p_rank, pull.d_tp_rank) in t.served:
-                return Verdict("refused", "another pull for this transfer and D rank is live or done")
+                return Verdict(Kind.RELEASED)
+            refused = self._refused(t, pull, p_rank)
+            if refused is not None:
+                if refused.kind == Kind.WRITING:
+                    self.lease(t, now, pull.lease_s)
+                return refused
             self.lease(t, now, pull.lease_s)
             if drop:
-                return Verdict("drop")
+                return Verdict(Kind.DROP)
             if t.dead is not None:
                 self.doom(t, "dead")
-                return Verdict("dead", t.dead)
+                return Verdict(Kind.DEAD, t.dead)
+            other = mismatch(t, pull)
+            if other is not None:
+                return other
             if t.block_ids is None or park:
-                return Verdict("park")
-            if t.num_tokens != pull.num_tokens or t.prompt_digest != pull.prompt_digest:
-                # Not the prompt P computed (a router or tokenizer showed P and D different texts):
-                # refused without ending the transfer; D fails or recomputes, then releases it.
-                if t.num_tokens != pull.num_tokens:
-                    return Verdict("mismatch", f"P computed {t.num_tokens} prompt tokens, D has {pull.num_tokens}")
-                return Verdict("mismatch", "D's prompt token ids differ from those P computed")
+                return Verdict(Kind.PARK)
             wanted = range(len(pull.block_ids)) if positions is None else positions
             if len(wanted) != len(pull.block_ids) or any(not 0 <= i < len(t.block_ids) for i in wanted):
                 self.doom(t, "failed")
-                return Verdict("short", "P num blocks less than D")
-            t.d_tp = pull.d_tp_size
-            w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr, pull.grant_token)
-            t.writes.add(w)
-            return Verdict("write", write=w, blocks=[t.block_ids[i] for i in wanted], first_token=t.first_token)
+                return Verdict(Kind.SHORT, "P num blocks less than D")
+            w = self._write(t, pull, p_rank)
+            return Verdict(Kind.WRITE, write=w, blocks=[t.block_ids[i] for i in wanted[sent:]], first_token=t.first_token)
+
+    def begin_part(self, pull: PullRequest, p_rank: int, positions: Sequence[int], sent: int) -> Verdict:
+        """A parked pull while the prefill runs: PART writes the entries `positions[sent:]` that the
+        prefill completed since (`blocks`: P's ids of them, in order); WAIT: none yet (or the transfer no
+        longer runs: `begin_pull` then says what to do); MISMATCH and REFUSED answer the pull."""
+        with self.lock:
+            t = self._transfers.get(pull.transfer_id)
+            if t is None or t.doomed is not None or t.ready or t.dead is not None or not t.working:
+                return Verdict(Kind.WAIT)
+            refused = self._refused(t, pull, p_rank)
+            if refused is not None and refused.kind == Kind.REFUSED:
+                return refused
+            other = mismatch(t, pull)
+            if other is not None:
+                return other
+            new = [i for i in positions[sent:] if i < len(t.progress)]
+            if not new or refused is not None:
+                return Verdict(Kind.WAIT)  # nothing new yet, or this pull's last part is still in flight
+            w = self._write(t, pull, p_rank)
+            t.pushing[(p_rank, pull.d_tp_rank)] = pull.grant_token
+            return Verdict(Kind.PART, write=w, blocks=[t.progress[i] for i in new])
+
+    def _refused(self, t: Transfer, pull: PullRequest, p_rank: int) -> Verdict | None:
+        """Under the lock: REFUSED (another pull serves this transfer and D rank), WRITING (this same
+        pull's write is in flight) or None."""
+        if t.d_tp is not None and t.d_tp != pull.d_tp_size:
+            return Verdict(Kind.REFUSED, f"transfer is pulled with D tp_size {t.d_tp}, not {pull.d_tp_size}")
+        pair = (p_rank, pull.d_tp_rank)
+        live = [w for w in t.writes if (w.p_rank, w.d_rank) == pair]
+        if live and pull.grant_token and all(w.token == pull.grant_token for w in live):
+            return Verdict(Kind.WRITING)  # the same pull again: its write goes on, and answers it
+        if live or pair in t.served or t.pushing.get(pair, pull.grant_token) != pull.grant_token:
+            return Verdict(Kind.REFUSED, "another pull for this transfer and D rank is live or done")
+        return None
+
+    def _write(self, t: Transfer, pull: PullRequest, p_rank: int) -> Write:
+        t.d_tp = pull.d_tp_size
+        w = Write(t.transfer_id, p_rank, pull.d_tp_rank, pull.d_tp_size, pull.d_transfer_addr, pull.grant_token)
+        t.writes.add(w)
+        return w
 
     def give_up(self, transfer_id: str) -> None:
         """A parked pull waited its whole abort timeout and P is not working on the request."""
@@ -299,8 +311,9 @@ class TransferTable:
                 return "settled"
             return "working" if t.working else "waiting"
 
-    def write_done(self, w: Write, failed: bool, answer: PullResponse | None = None) -> None:
-        """The write returned; `answer` (what P tells D) is remembered for the same pull sent again."""
+    def write_done(self, w: Write, failed: bool, answer: PullResponse | None = None, partial: bool = False) -> None:
+        """The write returned; `answer` (what P tells D) is remembered for the same pull sent again. A
+        `partial` one serves nothing yet: the pull's final write does."""
         with self.lock:
             t = self._transfers.get(w.transfer_id)
             if t is None or w not in t.writes:
@@ -310,6 +323,9 @@ class TransferTable:
             t.writes.discard(w)
             if failed:
                 self.doom(t, "failed")  # D fails the request; nobody will pull this transfer again
+                return
+            if partial:
+                self._settle(t)
                 return
             t.served.add((w.p_rank, w.d_rank))
             if self._pairs(w.d_tp) <= t.served:
