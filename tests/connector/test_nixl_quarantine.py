@@ -2,7 +2,9 @@
 while D has its read posted, then fails the pull. Before, `close_grant` waited up to 30 s on the consumer
 loop: a healthy P2's pull, started meanwhile, stalled that long too; and when the wait gave up, the read
 landed later into blocks D had handed back. Now the close returns at once, P2's pull succeeds promptly,
-and P1's request (with its blocks) reaches the scheduler only after the read ended."""
+and P1's blocks are not handed back while the read may still land: a host that quarantines
+(`Outbox.quarantine`) gets the failure at once and the blocks' release once the read ended; any other
+host gets the request (with its blocks) only after the read ended."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import zmq
 from kvferry.connector.auth import TO_DECODE, TO_PREFILL, Opener, Sealer
 from kvferry.connector.bootstrap import BootstrapServer, Registration
 from kvferry.connector.decode.consumer import Consumer
-from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
+from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec, Report
 from kvferry.connector.layout import KVCacheSpec, PagedKVLayout, write_ops
 from kvferry.connector.messages import PullRequest, PullResponse, Status, decode_inbound, encode
 from kvferry.connector.metrics import Metrics
@@ -90,6 +92,18 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         ctx.term()
 
 
+def freeze_inside_the_read(d_engine: NixlTransferEngine, p1: PeerProcess) -> None:
+    """SIGSTOP P1 while D's read is posted: inside its posting call (where NIXL may stream it to its end
+    while P1 keeps sending) or after it."""
+    deadline = time.monotonic() + 10
+    while not d_engine.stats["reads_in_flight"]:
+        assert time.monotonic() < deadline, "D never posted P1's read"
+        time.sleep(0.0005)
+    p1.signal(signal.SIGSTOP)
+    time.sleep(0.05)
+    assert d_engine._recv._reads, "the read ended before the freeze (rerun)"
+
+
 def test_a_frozen_p_costs_neither_the_loop_nor_the_blocks(rig: dict[str, Any]) -> None:
     consumer, routers, d_engine, p1 = rig["consumer"], rig["routers"], rig["d_engine"], rig["p1"]
     finished: set[str] = set()
@@ -111,13 +125,7 @@ def test_a_frozen_p_costs_neither_the_loop_nor_the_blocks(rig: dict[str, Any]) -
     (op,) = write_ops(PagedKVLayout(SPEC, rig["d_kv"]), list(range(16)), pull1.block_ids, HEADS)  # P1's 0..15
     p1.send("write", peer=pull1.d_transfer_addr, token=pull1.grant_token,
             ops=[[op.src_offset, op.dst_region, op.dst_offset, op.length]], timeout=60)
-    deadline = time.monotonic() + 10
-    while not d_engine._recv._reads:
-        assert time.monotonic() < deadline, "D never posted P1's read"
-        time.sleep(0.0005)
-    p1.signal(signal.SIGSTOP)
-    time.sleep(0.05)
-    assert d_engine._recv._reads, "the read ended before the freeze (rerun)"
+    freeze_inside_the_read(d_engine, p1)
     routers["p1"].reply(identity1, pull1, Status.ERROR, err_msg="transport: write failed", cause="transport")
     # Meanwhile a healthy P2 serves another request through the same loop.
     t0 = time.monotonic()
@@ -149,3 +157,45 @@ def test_a_frozen_p_costs_neither_the_loop_nor_the_blocks(rig: dict[str, Any]) -
     assert set(P1_BLOCKS) <= invalid and not invalid & set(P2_BLOCKS)
     print(f"\nhealthy P2's pull {p2_s * 1e3:.0f} ms while P1 froze mid-read; P1's request held until its read "
           f"ended, reported {(time.monotonic() - t0) * 1e3:.0f} ms after SIGCONT")
+
+
+def test_a_host_that_quarantines_gets_the_failure_at_once_and_the_blocks_later(rig: dict[str, Any]) -> None:
+    consumer, routers, d_engine, p1 = rig["consumer"], rig["routers"], rig["d_engine"], rig["p1"]
+    consumer.outbox.quarantine = True  # what `PDWorker.quarantine_loads` does for a host that quarantines
+    seen = Report()
+
+    def drain() -> None:
+        r = consumer.outbox.drain_report()
+        seen.finished |= r.finished
+        seen.invalid |= r.invalid
+        seen.causes.update(r.causes)
+        seen.quarantined |= r.quarantined
+        seen.released |= r.released
+
+    p1.call("fill", value=7)
+    consumer.start_pulls([PullSpec("r1", "x-r1", P1_BLOCKS, "p1", rig["bootstrap"], len(P1_BLOCKS) * SPEC.block_size)])
+    identity1, pull1 = routers["p1"].recv_pull()
+    (op,) = write_ops(PagedKVLayout(SPEC, rig["d_kv"]), list(range(16)), pull1.block_ids, HEADS)
+    p1.send("write", peer=pull1.d_transfer_addr, token=pull1.grant_token,
+            ops=[[op.src_offset, op.dst_region, op.dst_offset, op.length]], timeout=60)
+    freeze_inside_the_read(d_engine, p1)
+    t0 = time.monotonic()
+    routers["p1"].reply(identity1, pull1, Status.ERROR, err_msg="transport: write failed", cause="transport")
+    while "r1" not in seen.finished:
+        assert time.monotonic() - t0 < 5, "the failure waited for the read"
+        time.sleep(0.005)
+        drain()
+    reported_s = time.monotonic() - t0
+    assert seen.quarantined == {"r1"} and seen.causes["r1"][0] == "transport" and set(P1_BLOCKS) <= seen.invalid
+    # Released only once the read ended: not while P1 is stopped.
+    drain()
+    assert not seen.released and d_engine.draining(pull1.grant_token)
+    p1.signal(signal.SIGCONT)
+    t0 = time.monotonic()
+    while "r1" not in seen.released:
+        assert time.monotonic() - t0 < 30, "the quarantined blocks were never released after the read ended"
+        time.sleep(0.005)
+        drain()
+    assert not d_engine.draining(pull1.grant_token) and seen.finished == {"r1"}
+    print(f"\nfailure reported {reported_s * 1e3:.0f} ms after P's error reply, blocks released "
+          f"{(time.monotonic() - t0) * 1e3:.0f} ms after SIGCONT")

@@ -224,6 +224,68 @@ def test_abort_while_waiting_frees_blocks_only_after_worker_reports() -> None:
     assert_pool_full(engine)
 
 
+def step_until(engine: Engine, done: Callable[[], bool], max_steps: int = 50) -> None:
+    engine._drain_commands()
+    for _ in range(max_steps):
+        if done():
+            return
+        engine.step()
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def quarantined_blocks(engine: Engine) -> int:
+    return sum(len(b) for b in engine.scheduler.quarantine.values())
+
+
+def test_a_quarantined_failure_fails_at_once_and_its_blocks_wait_for_the_release() -> None:
+    engine, connector = make_engine("fail")
+    col = Collector()
+    connector.plan_load("r", LoadPlan(None, 1, (0, 1, 2), ("peer_dead", "P stopped"), quarantine_steps=5))
+    request = submit(engine, col, "r", prompt(40))
+    step_until(engine, lambda: request.is_finished)
+    assert (col.final("r").finish_reason, col.final("r").error_code) == ("error", "peer_dead")
+    for _ in range(4):  # a read may still write the blocks: in no request's hands, out of the pool
+        assert quarantined_blocks(engine) == 3 and engine.pool.num_free == engine.pool.num_total - 3
+        engine.scheduler.check_integrity()
+        engine.step()
+    engine.run_until_idle()
+    assert quarantined_blocks(engine) == 0
+    assert_pool_full(engine)
+
+
+def test_recompute_of_a_quarantined_load_uses_other_blocks(model: TinyLlama) -> None:
+    engine, connector = make_engine("recompute")
+    col = Collector()
+    ids = prompt(40)
+    poisoned = fill_from(engine, reference_kv(model, ids), poison={0, 1, 2})
+    # The read that outlived the failure lands (NaN) in the old blocks while the request decodes.
+    connector.plan_load("r", LoadPlan(None, 1, (0, 1, 2), ("peer_dead", "P stopped"), poisoned,
+                                      quarantine_steps=3, late_fill=poisoned))
+    request = submit(engine, col, "r", ids)
+    step_until(engine, lambda: "r" in engine.scheduler.quarantine)
+    old = set(engine.scheduler.quarantine["r"])
+    engine.step()
+    assert not old & set(engine.scheduler.block_tables["r"])
+    engine.run_until_idle()
+    assert col.tokens("r") == reference_tokens(model, ids)
+    assert request.num_recomputed_tokens == len(ids)
+    assert_pool_full(engine)
+
+
+def test_an_abort_reported_quarantined_keeps_its_blocks_until_the_release() -> None:
+    engine, connector = make_engine()
+    col = Collector()
+    connector.plan_load("r", LoadPlan(None, never_finish=True, quarantine_steps=4))
+    submit(engine, col, "r", prompt(40))
+    step_until(engine, lambda: "r" in engine.scheduler.remote)
+    engine.abort("r")
+    step_until(engine, lambda: "r" not in engine.scheduler.remote)
+    assert col.final("r").finish_reason == "abort"
+    assert quarantined_blocks(engine) == 3 and engine.pool.num_free == engine.pool.num_total - 3
+    engine.run_until_idle()
+    assert_pool_full(engine)
+
+
 def test_unknown_ids_from_the_connector_are_ignored_and_counted(model: TinyLlama) -> None:
     engine, connector = make_engine()
     col = Collector()

@@ -134,6 +134,19 @@ class KVConnector(abc.ABC):
         """Drain request id → (cause, message) for failed loads since the last call."""
         return {}
 
+    def quarantine_loads(self) -> bool:
+        """The host can quarantine: for a request in `get_quarantined` it keeps the blocks out of its pool,
+        owned by no request, until the id comes back in finished_sending, and never computes into them
+        meanwhile. A worker whose reads may outlive a failed load (a frozen peer holds them) then reports
+        the failure at once and returns True; by default, and towards a host that never calls this, it
+        reports such a failure only once its reads ended."""
+        return False
+
+    def get_quarantined(self) -> set[str]:
+        """Drain the ids, among the last `get_finished`'s finished_recving, whose blocks a posted read may
+        still write (only after `quarantine_loads` returned True)."""
+        return set()
+
     def get_first_tokens(self) -> dict[str, FirstToken]:
         """Drain request id → the first token P sampled, for loads finished since the last call: the
         scheduler may emit it instead of computing the last prompt position again."""

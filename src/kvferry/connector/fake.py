@@ -32,6 +32,10 @@ class LoadPlan:
     fill: FillFn | None = None
     never_finish: bool = False
     first_token: FirstToken | None = None  # what P sampled, reported with the finished load
+    # Reported quarantined (a read may still write the blocks), released this many steps later, when
+    # `late_fill` writes them (the read that ends then).
+    quarantine_steps: int | None = None
+    late_fill: FillFn | None = None
 
 
 @dataclass
@@ -42,6 +46,7 @@ class _Event:
     failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
     fills: list[tuple[FillFn, list[int]]] = field(default_factory=list)
     first_tokens: dict[str, FirstToken] = field(default_factory=dict)
+    quarantined: set[str] = field(default_factory=set)
 
 
 class ScriptedConnector(KVConnector):
@@ -56,6 +61,7 @@ class ScriptedConnector(KVConnector):
         self._never_finish: dict[str, bool] = {}
         self.finished_calls: list[str] = []
         self.alloc_calls: list[tuple[str, list[int], int]] = []
+        self._blocks: dict[str, list[int]] = {}
 
     # ---- planning (test API) ----------------------------------------------------------------------
     def plan_load(self, request_id: str, plan: LoadPlan) -> None:
@@ -92,10 +98,12 @@ class ScriptedConnector(KVConnector):
             return
         self._pending_loads.add(request.request_id)
         self._never_finish[request.request_id] = plan.never_finish
+        self._blocks[request.request_id] = list(block_ids)
         if plan.never_finish:
             return
         event = self._events[self.step + plan.after_steps]
         event.finished_recving.add(request.request_id)
+        self._quarantine(request.request_id, plan, plan.after_steps)
         event.invalid_block_ids.update(block_ids[i] for i in plan.invalid_block_indices)
         if plan.cause is not None:
             event.failure_causes[request.request_id] = plan.cause
@@ -109,7 +117,19 @@ class ScriptedConnector(KVConnector):
         for request_id in scheduler_output.finished_req_ids & self._pending_loads:
             if self._never_finish.get(request_id):
                 self._events[self.step + 1].finished_recving.add(request_id)
+                plan = self.loads.get(request_id)
+                if plan is not None:
+                    self._quarantine(request_id, plan, 1)
         return ConnectorMetadata()
+
+    def _quarantine(self, request_id: str, plan: LoadPlan, after_steps: int) -> None:
+        if plan.quarantine_steps is None:
+            return
+        self._events[self.step + after_steps].quarantined.add(request_id)
+        release = self._events[self.step + after_steps + plan.quarantine_steps]
+        release.finished_sending.add(request_id)
+        if plan.late_fill is not None:
+            release.fills.append((plan.late_fill, self._blocks[request_id]))
 
     def request_finished(self, request: RequestLike, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         self.finished_calls.append(request.request_id)
@@ -144,6 +164,12 @@ class ScriptedConnector(KVConnector):
 
     def get_first_tokens(self) -> dict[str, FirstToken]:
         return self._current.first_tokens
+
+    def quarantine_loads(self) -> bool:
+        return True
+
+    def get_quarantined(self) -> set[str]:
+        return self._current.quarantined
 
     def stats(self) -> dict[str, Any]:
         return {"pending_pulls": len(self._pending_loads)}

@@ -100,6 +100,12 @@ class PDConnector(KVConnector):
     def get_first_tokens(self) -> dict[str, FirstToken]:
         return self.worker.get_first_tokens()
 
+    def quarantine_loads(self) -> bool:
+        return self.worker.quarantine_loads()
+
+    def get_quarantined(self) -> set[str]:
+        return self.worker.get_quarantined()
+
     def set_waker(self, wake: Callable[[], None]) -> bool:
         return self.worker.set_waker(wake)
 

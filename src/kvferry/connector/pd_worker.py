@@ -35,6 +35,8 @@ class PDWorker:
         self._invalid: set[int] = set()
         self._causes: dict[str, tuple[str, str]] = {}
         self._first_tokens: dict[str, FirstToken] = {}
+        self._quarantined: set[str] = set()
+        self._quarantine = False  # the host quarantines blocks (`quarantine_loads`)
         self._waker: Callable[[], None] | None = None
 
     @property
@@ -119,9 +121,10 @@ class PDWorker:
             self.producer.step_ended()
             return self.producer.drain_finished(), set()
         if self.consumer is not None:
-            finished, invalid, causes, first_tokens = self.consumer.drain_all()
-            self._invalid, self._causes, self._first_tokens = invalid, causes, first_tokens
-            return set(), finished
+            r = self.consumer.outbox.drain_report()
+            self._invalid, self._causes, self._first_tokens, self._quarantined = (
+                r.invalid, r.causes, r.first_tokens, r.quarantined)
+            return r.released, r.finished  # D "sends" nothing: what comes back is quarantined blocks
         return set(), set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -136,12 +139,24 @@ class PDWorker:
         tokens, self._first_tokens = self._first_tokens, {}
         return tokens
 
+    def quarantine_loads(self) -> bool:
+        self._quarantine = True
+        self._install_waker()
+        return True
+
+    def get_quarantined(self) -> set[str]:
+        quarantined, self._quarantined = self._quarantined, set()
+        return quarantined
+
     def set_waker(self, wake: Callable[[], None]) -> bool:
         self._waker = wake
         self._install_waker()
         return True
 
     def _install_waker(self) -> None:
+        """The host's hooks (waker, quarantine) onto whichever halves exist, in either order of calls."""
+        if self.consumer is not None:
+            self.consumer.outbox.quarantine = self._quarantine
         if self._waker is None:
             return
         if self.consumer is not None:
@@ -154,6 +169,8 @@ class PDWorker:
             "pending_pulls": self.consumer.pending_pulls if self.consumer else 0,
             "pending_sends": self.producer.table.pending_sends() if self.producer else 0,
             "writes_in_flight": self.producer.table.writes_in_flight() if self.producer else 0,
+            # D: data-plane reads posted and not ended (NIXL: a frozen P holds them)
+            "reads_in_flight": sum(getattr(e, "stats", {}).get("reads_in_flight", 0) for e in self.transfer_engines),
             "transfer_addrs": [e.address for e in self.transfer_engines],  # advertised
             "transfer_bound": [getattr(e, "bound_address", e.address) for e in self.transfer_engines],
             "control_addrs": self.producer.control_addrs if self.producer else [],  # advertised

@@ -99,6 +99,7 @@ class Engine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         woken = self.worker_connector.set_waker(self._wakeup.set)
+        self.worker_connector.quarantine_loads()  # the scheduler quarantines (WorkerResult.quarantined)
         self._poll_interval_s = _WOKEN_POLL_INTERVAL_S if woken else _POLL_INTERVAL_S
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-core-{config.engine_id}", daemon=True)
@@ -172,7 +173,7 @@ class Engine:
         for steps in range(max_steps):
             self._drain_commands()
             s = self.scheduler
-            if not (s.has_unfinished or s.remote or s.sending):
+            if not (s.has_unfinished or s.remote or s.sending or s.quarantine):
                 s.check_integrity()
                 return steps
             self.step()
@@ -196,7 +197,7 @@ class Engine:
             while not self._stopped.is_set():
                 self._drain_commands()
                 s = self.scheduler
-                if s.has_unfinished or s.remote or s.sending or self._connector_step:
+                if s.has_unfinished or s.remote or s.sending or s.quarantine or self._connector_step:
                     idle_checked = False
                     self._connector_step = False
                     self.step()
@@ -309,6 +310,7 @@ class Engine:
             self.worker_connector.get_block_ids_with_load_errors(),
             self.worker_connector.get_failure_causes(),
             self._first_tokens(),
+            self.worker_connector.get_quarantined(),
         )
         recomputed_before, unknown_before = self.scheduler.num_recomputed_tokens, self.scheduler.num_unknown_ids
         for request in self.scheduler.update(out, sampled, report):
@@ -343,6 +345,7 @@ class Engine:
             "requests_by_status": self.scheduler.requests_by_status(),
             "blocks_total": self.pool.num_total,
             "blocks_free": self.pool.num_free,
+            "blocks_quarantined": sum(len(b) for b in self.scheduler.quarantine.values()),
             "pending_pulls": int(stats.get("pending_pulls", 0)),
             "pending_sends": int(stats.get("pending_sends", 0)) + len(self.scheduler.sending),
             "step": self.scheduler.step_count,

@@ -50,6 +50,8 @@ class WorkerResult:
     failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
     # The token P sampled after the prompt, per loaded request (ids already checked against the vocab).
     first_tokens: dict[str, FirstToken] = field(default_factory=dict)
+    # Of finished_recving: failed loads whose blocks a posted read may still write (`quarantine`).
+    quarantined: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -66,6 +68,9 @@ class Scheduler:
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, or aborted while waiting
         self.block_tables: dict[str, list[int]] = {}
         self.sending: dict[str, list[int]] = {}  # finished, blocks lent to the connector (delay_free)
+        # Blocks of failed loads that a read may still write: out of the pool and owned by no request
+        # until the connector releases them (in finished_sending).
+        self.quarantine: dict[str, list[int]] = {}
         self._remote_block_owner: dict[int, str] = {}
         self._first_invalid: dict[str, int] = {}  # remote request id → index of its first invalid block
         self._failure_causes: dict[str, tuple[str, str]] = {}
@@ -234,11 +239,13 @@ class Scheduler:
                 touched.append(request)
         touched.extend(self._apply_load_results(worker))
         for request_id in worker.finished_sending:
-            blocks = self.sending.pop(request_id, None)
-            if blocks is None:
+            returned = self.sending.pop(request_id, None)
+            if returned is None:
+                returned = self.quarantine.pop(request_id, None)
+            if returned is None:
                 self._unknown("finished_sending", request_id)
                 continue
-            self.pool.free(blocks)
+            self.pool.free(returned)
         return touched
 
     def _apply_load_results(self, worker: WorkerResult) -> list[Request]:
@@ -261,21 +268,25 @@ class Scheduler:
                 continue
             for block_id in self.block_tables[request_id]:
                 self._remote_block_owner.pop(block_id, None)
+            quarantined = request_id in worker.quarantined
             if request.status == RequestStatus.FINISHED_ABORTED:
                 self._first_invalid.pop(request_id, None)
                 self._failure_causes.pop(request_id, None)
-                self._release(request)
+                self._release(request, quarantined)
                 continue
             first_invalid = self._first_invalid.pop(request_id, None)
             failure = self._failure_causes.pop(request_id, None)
-            if failure is not None and first_invalid is None:
-                first_invalid = 0  # a failure without block detail loses the whole request
+            if quarantined or (failure is not None and first_invalid is None):
+                first_invalid = 0  # without block detail, or with blocks still written: the whole request
             cause, message = failure or ("kv_load_failed", "KV load failed")
             if first_invalid is not None:
                 if self.config.kv_load_failure_policy == "fail":
                     request.error_code, request.error_message = cause, message
-                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    self._finish(request, RequestStatus.FINISHED_ERROR, quarantined)
                     touched.append(request)
+                    continue
+                if quarantined:
+                    self._recompute_elsewhere(request)
                     continue
                 cut = first_invalid * self.config.block_size
                 self.num_recomputed_tokens += request.num_tokens - cut
@@ -304,24 +315,40 @@ class Scheduler:
         self.running.remove(request)
         self._finish(request, status)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus, quarantined: bool = False) -> None:
         request.status = status
         self._finished_since_last_step.add(request.request_id)
         blocks = self.block_tables.pop(request.request_id, [])
-        delay_free, params = self.connector.request_finished(request, blocks)
+        delay_free, params = self.connector.request_finished(request, [] if quarantined else blocks)
         request.out_kv_transfer_params = params
         del self.requests[request.request_id]
-        if delay_free and blocks:
+        if quarantined:
+            self.quarantine[request.request_id] = blocks
+        elif delay_free and blocks:
             self.sending[request.request_id] = blocks
         else:
             self.pool.free(blocks)
 
-    def _release(self, request: Request) -> None:
-        """An aborted remote load was reported by the worker: now its blocks are safe to reuse."""
+    def _release(self, request: Request, quarantined: bool) -> None:
+        """An aborted remote load was reported by the worker: now its blocks are safe to reuse (or, when
+        quarantined, once the worker releases them)."""
         blocks = self.block_tables.pop(request.request_id, [])
         self.requests.pop(request.request_id, None)
-        self.connector.request_finished(request, blocks)
-        self.pool.free(blocks)
+        self.connector.request_finished(request, [] if quarantined else blocks)
+        if quarantined:
+            self.quarantine[request.request_id] = blocks
+        else:
+            self.pool.free(blocks)
+
+    def _recompute_elsewhere(self, request: Request) -> None:
+        """`recompute` of a load whose blocks a read may still write: they go to quarantine and the whole
+        prompt is computed again, as after a preemption, into blocks taken afresh."""
+        self.quarantine[request.request_id] = self.block_tables.pop(request.request_id, [])
+        self.num_recomputed_tokens += request.num_tokens
+        request.num_recomputed_tokens += request.num_tokens
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
 
     def _unknown(self, where: str, request_id: str) -> None:
         # vLLM asserts here and loses the whole engine; an unknown id is a connector bug, not a crash.
@@ -332,7 +359,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every block is free or held by exactly one owner (run whenever the engine goes idle)."""
         self.pool.check_invariants()
-        held = sum(len(b) for b in self.block_tables.values()) + sum(len(b) for b in self.sending.values())
+        held = sum(len(b) for b in (*self.block_tables.values(), *self.sending.values(), *self.quarantine.values()))
         if held + self.pool.num_free != self.pool.num_total:
             raise AssertionError(f"blocks leaked: free {self.pool.num_free} + held {held} != {self.pool.num_total}")
 

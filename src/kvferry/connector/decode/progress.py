@@ -1,6 +1,6 @@
 """What D knows of a pull's progress: which blocks landed complete and correct (grants closed, byte
-coverage, P's checksums), when its blocks may go back to the scheduler (no grant of it draining), and
-where a stalled pull stands (for the deadline's message)."""
+coverage, P's checksums), when its blocks may go back to the scheduler (no grant of it draining, or
+quarantined), and where a stalled pull stands (for the deadline's message)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ log = logging.getLogger(__name__)
 
 class Landed:
     """Judges the bytes P wrote into D's blocks, and hands each pull's outcome to the scheduler (the
-    outbox) only once no grant of it can still receive bytes: a NIXL grant closed under reads still
-    posted (a frozen P) is *draining*, and blocks handed back then would be freed or recomputed while
-    those reads land in them (issue 31.10b). Such a pull is held (its request stays waiting for remote
-    KV, its blocks allocated) until its grants drained."""
+    outbox). A NIXL grant closed under reads still posted (a frozen P holds them) is *draining*: bytes
+    may still land in its blocks, so they must be neither freed nor recomputed in place. A failed pull is
+    reported at once all the same, its blocks *quarantined* (the host keeps them out of its pool, owned
+    by no request) and released once every grant of it drained, so a frozen P costs the client no more
+    than its liveness deadline. A host that cannot quarantine (`Outbox.quarantine` off), and a
+    successful pull (its blocks are the request's KV), are held instead: the request keeps waiting for
+    remote KV, its blocks allocated, until the grants drained."""
 
     def __init__(self, outbox: Outbox, layout: KVLayout, engines: dict[int, TransferEngine], checksums: bool) -> None:
         self.layout = layout
@@ -30,6 +33,7 @@ class Landed:
         self.engines = engines
         self.outbox = outbox
         self.held: dict[str, tuple[PullMeta, list[int], tuple[str, str] | None, FirstToken | None]] = {}
+        self.quarantined: dict[str, PullMeta] = {}  # reported; their blocks wait for the grants to drain
         self._timer: asyncio.TimerHandle | None = None
 
     def invalid_indices(self, pull: PullMeta) -> list[int]:
@@ -75,22 +79,34 @@ class Landed:
         self, pull: PullMeta, invalid: list[int] | None = None, cause: tuple[str, str] | None = None,
         first_token: FirstToken | None = None,
     ) -> None:
-        """The pull's outcome to the scheduler, now or once its grants drained (on the consumer's loop)."""
-        self.held[pull.request_id] = (pull, invalid or [], cause, first_token)
-        if self._draining(pull):
-            log.warning("blocks of %s held back: P's reads posted before the close have not ended", pull.request_id)
+        """The pull's outcome to the scheduler: now, quarantined or held while a grant drains (on the
+        consumer's loop)."""
+        if pull.failed and self.outbox.quarantine and self._draining(pull):
+            log.warning("blocks of %s quarantined: P's reads posted before the close have not ended", pull.request_id)
+            self.quarantined[pull.request_id] = pull
+            self.outbox.report(pull.request_id, invalid or [], cause, first_token, quarantined=True)
+        else:
+            self.held[pull.request_id] = (pull, invalid or [], cause, first_token)
+            if self._draining(pull):
+                log.warning("blocks of %s held back: P's reads posted before the close have not ended", pull.request_id)
         self._flush()
 
     def _draining(self, pull: PullMeta) -> bool:
         return any(t.fenced and self.engines[t.d_rank].draining(t.fenced) for t in pull.tasks)
 
     def _flush(self) -> None:
-        self._timer = None
+        if self._timer is not None:
+            self._timer.cancel()  # one timer at most, whoever calls
+            self._timer = None
         for request_id, (pull, invalid, cause, first_token) in list(self.held.items()):
             if not self._draining(pull):
                 del self.held[request_id]
                 self.outbox.report(request_id, invalid, cause, first_token)
-        if self.held and self._timer is None:
+        for request_id, pull in list(self.quarantined.items()):
+            if not self._draining(pull):
+                del self.quarantined[request_id]
+                self.outbox.release(request_id)
+        if (self.held or self.quarantined) and self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(DRAIN_POLL_S, self._flush)
 
 

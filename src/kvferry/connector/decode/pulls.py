@@ -104,30 +104,54 @@ class PullMeta:
         return self.spec.block_ids
 
 
+@dataclass
+class Report:
+    """One drain of the outbox: everything the loop reported since the last one."""
+
+    finished: set[str] = field(default_factory=set)
+    invalid: set[int] = field(default_factory=set)
+    causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    first_tokens: dict[str, FirstToken] = field(default_factory=dict)
+    # Of `finished`: failed loads whose blocks a posted read may still write (the host quarantines them).
+    quarantined: set[str] = field(default_factory=set)
+    released: set[str] = field(default_factory=set)  # quarantined earlier, and no read can write them now
+
+
 class Outbox:
-    """Loop thread → engine thread: finished requests, invalid blocks, failure causes, P's first tokens.
-    Every report wakes the engine thread (`waker`), so it need not poll for them."""
+    """Loop thread → engine thread: finished requests, invalid blocks, failure causes, P's first tokens,
+    quarantined blocks and their release. Every report wakes the engine thread (`waker`), so it need not
+    poll for them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.finished: set[str] = set()
-        self.invalid: set[int] = set()
-        self.causes: dict[str, tuple[str, str]] = {}
-        self.first_tokens: dict[str, FirstToken] = {}
+        self._report = Report()
         self.waker: Callable[[], None] = _nothing
+        # The host quarantines (`KVConnector.quarantine_loads`): a failed pull whose reads may still land
+        # is reported at once, its blocks' release later (`release`).
+        self.quarantine = False
 
     def report(
         self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None,
-        first_token: FirstToken | None = None,
+        first_token: FirstToken | None = None, quarantined: bool = False,
     ) -> None:
         with self._lock:
             # Cause, blocks and token go in with the request, so one drain never sees it without them.
+            r = self._report
             if cause is not None:
-                self.causes[request_id] = cause
+                r.causes[request_id] = cause
             if first_token is not None:
-                self.first_tokens[request_id] = first_token
-            self.invalid.update(invalid)
-            self.finished.add(request_id)
+                r.first_tokens[request_id] = first_token
+            if quarantined:
+                r.quarantined.add(request_id)
+            r.invalid.update(invalid)
+            r.finished.add(request_id)
+        self.waker()
+
+    def release(self, request_id: str) -> None:
+        """A quarantined request's blocks are safe to reuse. Always after its report, so a drain never
+        holds the release of a request the host has not yet been told is quarantined."""
+        with self._lock:
+            self._report.released.add(request_id)
         self.waker()
 
     def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
@@ -135,10 +159,13 @@ class Outbox:
         return finished, invalid, causes
 
     def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
+        r = self.drain_report()
+        return r.finished, r.invalid, r.causes, r.first_tokens
+
+    def drain_report(self) -> Report:
         with self._lock:
-            out = (self.finished, self.invalid, self.causes, self.first_tokens)
-            self.finished, self.invalid, self.causes, self.first_tokens = set(), set(), {}, {}
-        return out
+            report, self._report = self._report, Report()
+        return report
 
 
 def _nothing() -> None:

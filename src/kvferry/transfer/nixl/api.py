@@ -21,6 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 _BACKENDS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+# The UCX progress thread's poll() timeout (µs, rounded up to ms). It wakes at once on UCX's events;
+# the timeout only bounds how late it notices what raises none.
+PROGRESS_DELAY_US = 1000
+LISTEN_DELAY_US = 100_000  # nixl_agent's own value (there is no listener thread here)
 INSTALL_HINT = "pip install 'kvferry[nixl]' (or nixl-cu12 and nixl --no-deps)"
 
 
@@ -59,6 +63,12 @@ def new_agent(name: str, loopback: bool) -> Any:
     """One agent with the UCX backend, its progress thread, no listener thread (metadata travels in
     kvferry's own grant tokens and notifications) and thread-safe calls.
 
+    The progress thread sleeps in poll() on UCX's event fd for at most PROGRESS_DELAY_US between
+    rounds. nixl_agent hardcodes a delay of 0, and then the thread polls with a zero timeout: it spins,
+    about 60 % of a core on an idle agent and more while a read waits on a frozen peer. So the agent
+    is built without backends, its C++ agent replaced by one made from a full config, and the UCX
+    backend (which starts the thread) created on that.
+
     On a loopback host (unless the environment says otherwise) UCX is kept on `lo`
     (UCX_NET_DEVICES: by default its TCP transport listens on every interface) and its InfiniBand
     modules are not loaded (UCX_MODULES=^ib*): nothing on one host needs them, and where Debian's
@@ -69,13 +79,18 @@ def new_agent(name: str, loopback: bool) -> Any:
     if loopback:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         os.environ.setdefault("UCX_MODULES", "^ib*")
-    config = _api.nixl_agent_config(
-        enable_prog_thread=True,
-        enable_listen_thread=False,
-        backends=["UCX"],
-        sync_mode=_api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-    )
-    agent = _api.nixl_agent(name, config)
+    strict = _api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    agent = _api.nixl_agent(name, _api.nixl_agent_config(
+        enable_prog_thread=True, enable_listen_thread=False, backends=[], sync_mode=strict,
+    ))
+    config = _bind.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = strict.value
+    config.pthrDelay = PROGRESS_DELAY_US
+    config.lthrDelay = LISTEN_DELAY_US
+    agent.agent = _bind.nixlAgent(name, config)
+    agent.create_backend("UCX", {})
     if "UCX" not in agent.backends:
         raise RuntimeError("NIXL could not create its UCX backend")
     return agent

@@ -130,7 +130,10 @@ class NixlTransferEngine(TransferEngine):
 
     @property
     def stats(self) -> dict[str, int]:
-        return dict(self._counts)
+        """Counters (COUNTERS), and two gauges: reads posted and not ended (`reads_in_flight`: a frozen
+        sender holds them), closed grants that such reads still keep draining (`grants_draining`)."""
+        reads, draining = self._recv.in_flight
+        return {**self._counts, "reads_in_flight": reads, "grants_draining": draining}
 
     def register(self, name: str, buffer: Any) -> None:
         self._check_open()
@@ -261,9 +264,12 @@ class NixlTransferEngine(TransferEngine):
 
     def _send(self, w: _Write, kind: int, chunk: int, body: bytes) -> None:
         data = nw.encode_note(kind, w.gid, w.wid, chunk, body, self._keys.p2d if self._keys else None)
-        if self._agent is None:
+        agent = self._agent
+        if agent is None:
             raise TransferError(E.CLOSED, "engine closed")
-        failed = nixl_api.call(self._agent.send_notif, w.receiver, data)
+        failed = nixl_api.call(agent.send_notif, w.receiver, data)
+        if failed is not None and self._closed:  # `close` let the peers go under this write
+            raise TransferError(E.CLOSED, "engine closed")
         if failed is not None:
             cause = E.RESET if "REMOTE_DISCONNECT" in failed else E.REFUSED
             raise TransferError(cause, f"NIXL notification to {w.peer} failed: {failed}")
@@ -296,8 +302,10 @@ class NixlTransferEngine(TransferEngine):
             self._cond.notify_all()
 
     def _run(self) -> None:
-        """Poll fast while writes wait for acks or grants are open, slowly otherwise (a request for a
-        closed grant still gets its REJECTED)."""
+        """Poll fast right after something happened (a notification, a read that ended), backing off to
+        POLL_MAX_S while writes wait for acks or grants are open, and to IDLE_POLL_S otherwise: a request
+        for a closed grant still gets its REJECTED, and a read a frozen sender holds is no progress, so
+        it costs a poll now and then, not a spinning core."""
         delay = POLL_MIN_S
         while True:
             with self._cond:
@@ -317,7 +325,7 @@ class NixlTransferEngine(TransferEngine):
             name = sender.decode() if isinstance(sender, bytes) else str(sender)
             for data in messages:
                 self._dispatch(name, bytes(data))
-        return self._recv.poll() or bool(notes)
+        return self._recv.poll() or bool(notes)  # progress: poll again soon
 
     def _dispatch(self, sender: str, data: bytes) -> None:
         try:

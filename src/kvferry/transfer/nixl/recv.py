@@ -89,11 +89,19 @@ class Receiver:
         self._by_gid: dict[bytes, Grant] = {}
         self._reads: list[Read] = []
         self._draining: dict[str, Grant] = {}  # closed grants with reads still posted
+        self._posting = 0  # a read inside its posting call (over UCX's tcp it may stream to its end there)
         self._boot = nw.boot_id()
 
     @property
     def busy(self) -> bool:
-        return bool(self._by_token or self._reads)
+        """Grants are open: requests and reads for them want prompt polls. Reads of closed grants alone
+        (held by a frozen sender) do not: when they end only decides when quarantined memory is reused."""
+        return bool(self._by_token)
+
+    @property
+    def in_flight(self) -> tuple[int, int]:
+        """(reads posted and not ended, closed grants still draining)."""
+        return len(self._reads) + self._posting, len(self._draining)
 
     def draining(self, token: str) -> bool:
         """True while a closed grant still has posted reads (bytes may land): keep its memory."""
@@ -235,6 +243,7 @@ class Receiver:
                 local[sel, 2] = region.dev
             local[:, 1] = lens
             remote = np.stack([ops["src"], lens, ops["dev"].astype(np.uint64)], axis=1)
+            self._posting += 1
             try:
                 handle = self._agent.initialize_xfer(
                     "READ", self._agent.get_xfer_descs(local, mems.pop()),
@@ -245,6 +254,8 @@ class Receiver:
                 self._count("failed_reads")
                 log.warning("NIXL read for a grant failed to start: %r", e)
                 return nw.FAILED
+            finally:
+                self._posting -= 1
             spans = [(names[int(i)], int(o), int(o) + int(n)) for i, o, n in zip(ridx, dst, lens, strict=True)]
             grant.inflight += 1
         read = Read(grant, sender, note.wid, note.chunk, handle, spans, deadline)
@@ -264,9 +275,11 @@ class Receiver:
         return not bool(((dst > sizes) | (lens > sizes - np.minimum(dst, sizes))).any())
 
     def poll(self) -> bool:
-        """Check posted reads; True while some are still in flight."""
+        """Check posted reads; True when one of them ended (the pump's sign of progress: a read held by
+        a frozen sender ends nothing, so the pump backs off rather than spin on it)."""
         with self._lock:
             reads = list(self._reads)
+        ended = False
         for read in reads:
             try:
                 state = self._agent.check_xfer_state(read.handle)
@@ -276,8 +289,8 @@ class Receiver:
                 with self._lock:
                     self._reads.remove(read)
                 self._finish(read, state)
-        return bool(self._reads)
-
+                ended = True
+        return ended
 
     def _finish(self, read: Read, state: str) -> None:
         grant = read.grant
