@@ -1,14 +1,17 @@
 """Progressive push through real processes: while P's chunked prefill of a long prompt is still running,
 D's parked pull already gets the blocks P completed, so only the last chunk's blocks move after the
-prefill. The answer stays token-identical to the colocated one; a P killed after some partial writes
-fails D's request with `peer_dead` under `fail` and costs only a local prefill under `recompute`; a
-transport break or a corrupt block in a partial write ends with its cause; nothing leaks anywhere."""
+prefill. The answer stays token-identical to the colocated one; a P killed or frozen after some partial
+writes fails D's request with `peer_dead` under `fail` and costs only a local prefill under
+`recompute`; a transport break or a corrupt block in a partial write ends with its cause; a D that dies
+(its lease lapses) or whose client leaves mid-prefill costs P nothing; nothing leaks anywhere."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import threading
 import uuid
 from typing import Any
@@ -55,23 +58,33 @@ class PD:
 
     def ask(self, ids: list[int], max_tokens: int = 6) -> tuple[list[httpx.Response], threading.Thread]:
         """Sends the request to P and D at once; D's answer lands in the list when the thread ends."""
+        p_body, d_body = self.bodies(ids, max_tokens)
+        self.to_p(p_body)
+        out: list[httpx.Response] = []
+
+        def post() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # a killed D never answers: `answer` says so
+                out.append(httpx.post(f"{self.d.url}/v1/completions", json=d_body, timeout=60))
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        return out, thread
+
+    def bodies(self, ids: list[int], max_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
         tid = f"pp-{uuid.uuid4()}"
         body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         p_body = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
         d_body = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid,
                                                  "remote_engine_id": self.info["engine_id"],
                                                  "remote_bootstrap_addr": self.info["kv_bootstrap_addr"]}}
-        out: list[httpx.Response] = []
+        return p_body, d_body
 
-        def to_p() -> None:
+    def to_p(self, p_body: dict[str, Any]) -> None:
+        def post() -> None:
             with contextlib.suppress(httpx.HTTPError):  # a killed P never answers: D's is what the test reads
                 httpx.post(f"{self.p.url}/v1/completions", json=p_body, timeout=60)
 
-        threading.Thread(target=to_p, daemon=True).start()
-        thread = threading.Thread(target=lambda: out.append(
-            httpx.post(f"{self.d.url}/v1/completions", json=d_body, timeout=60)), daemon=True)
-        thread.start()
-        return out, thread
+        threading.Thread(target=post, daemon=True).start()
 
     def __enter__(self) -> PD:
         self._running = running(self.p, self.d)
@@ -116,12 +129,13 @@ def test_no_progressive_push_writes_once_after_the_prefill() -> None:
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_p_killed_mid_prefill_after_partial_writes(policy: str) -> None:
-    ids = prompt(2 * LONG, 4)  # a longer prefill: the kill lands well before its end
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "SIGSTOP"])
+def test_p_killed_or_frozen_mid_prefill_after_partial_writes(how: signal.Signals, policy: str) -> None:
+    ids = prompt(2 * LONG, 4)  # a longer prefill: the signal lands well before its end
     with PD(d_args=("--kv-load-failure-policy", policy)) as pd:
         out, thread = pd.ask(ids)
-        wait_until(lambda: metric(pd.p, "kvferry_progressive_writes_total") >= 1, 30, "a partial write")
-        os.kill(pd.p.pid, signal.SIGKILL)
+        wait_until(lambda: partial_writes(pd.p) >= 1, 30, "a partial write")
+        os.kill(pd.p.pid, how)
         r = answer(out, thread)
         if policy == "fail":
             assert r.status_code == 500, r.text
@@ -130,6 +144,40 @@ def test_p_killed_mid_prefill_after_partial_writes(policy: str) -> None:
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == reference(ids, 6)
         wait_until(lambda: clean(pd.d), 10, "D back to a full pool")
+
+
+def partial_writes(p: Proc) -> float:
+    return metric(p, "kvferry_progressive_writes_total")
+
+
+def test_d_killed_mid_prefill_costs_p_nothing() -> None:
+    """D dies after P's first partial writes: its lease lapses (or a write to it fails), P's prefill ends
+    into a transfer nobody will pull, and P's pool is full again."""
+    ids = prompt(2 * LONG, 6)
+    with PD() as pd:
+        pd.ask(ids)
+        wait_until(lambda: partial_writes(pd.p) >= 1, 30, "a partial write")
+        os.kill(pd.d.pid, signal.SIGKILL)
+        wait_until(lambda: clean(pd.p), 60, "P back to a full pool")
+
+
+def test_client_leaving_d_mid_prefill_ends_the_transfer_on_both_sides() -> None:
+    """D's client hangs up while P still prefills: D aborts the request and lets P go; both pools fill
+    again, and the next request is served as usual."""
+    ids = prompt(2 * LONG, 7)
+    with PD() as pd:
+        p_body, d_body = pd.bodies(ids, 6)
+        pd.to_p(p_body)
+        host, port = pd.d.url.removeprefix("http://").rsplit(":", 1)
+        raw = json.dumps(d_body).encode()
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+            wait_until(lambda: partial_writes(pd.p) >= 1, 30, "a partial write")
+        wait_until(lambda: clean(pd.p) and clean(pd.d), 60, "P and D back to full pools")
+        short = prompt(LONG, 8)
+        r = answer(*pd.ask(short))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(short, 6), r.text
 
 
 @pytest.mark.parametrize(("fault", "cause"), [("transport", "transport"), ("corrupt", "checksum")])
