@@ -169,6 +169,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--hogs", type=int, default=0, metavar="N",
                    help="bench vllm: P/D at vLLM's CPU defaults, alone then with N CPU-bound processes (false peer_dead)")
     p.add_argument("--soak", type=float, default=0, metavar="MINUTES", help="bench vllm: P/D, faults, 16 clients; stalls")
+    p.add_argument("--workload", choices=["single", "multiturn"], default="single",
+                   help="bench vllm: multiturn: conversations, D's prefix-cache hits (colocated, kvferry, NIXL)")
 
 
 def _add_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -357,9 +359,11 @@ def bench(args: argparse.Namespace) -> int:
         serve_bench.run(args.json_path, plan=plan)
         return 0
     if args.which == "vllm":
-        from kvferry.bench.vllm import faults, side_by_side, soak, starved
+        from kvferry.bench.vllm import faults, multiturn, side_by_side, soak, starved
 
-        if args.soak:
+        if args.workload == "multiturn":
+            multiturn.run(args.json_path, quick=args.quick)
+        elif args.soak:
             soak.run(args.json_path, args.soak, quick=args.quick)
         elif args.hogs:
             starved.run(args.json_path, args.hogs, quick=args.quick)

