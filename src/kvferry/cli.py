@@ -151,10 +151,10 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks; each prints a table and can write --json")
     p.add_argument("which", choices=["transfer", "failover", "lease", "scheduler", "e2e", "chunked", "model", "vllm", "serve",
-                                        "load_faults", "flood"], help="which benchmark (flood: requests under strangers' floods)")
+                                        "load_faults", "flood", "progressive"], help="which benchmark (flood: requests under strangers' floods)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke runs)")
-    p.add_argument("--model", default="smollm2", help="bench model: the model to measure (tiny, smollm2, a path)")
+    p.add_argument("--model", default="smollm2", help="bench model, progressive: the model to measure (tiny, smollm2, a path)")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="bench model: BLAS / torch threads of both sides (1 keeps kvferry deterministic)")
     p.add_argument("--concurrency", default=None, metavar="N,N,...",
@@ -371,7 +371,7 @@ def bench(args: argparse.Namespace) -> int:
             (faults if args.faults else side_by_side).run(args.json_path, quick=args.quick)
         return 0
     module = importlib.import_module(f"kvferry.bench.{args.which}")
-    module.run(args.json_path, quick=args.quick)
+    module.run(args.json_path, quick=args.quick, **({"model": args.model} if args.which == "progressive" else {}))
     return 0
 
 

@@ -1,0 +1,175 @@
+"""`kvferry bench progressive`: what progressive push buys in TTFT.
+
+Two P/D systems run side by side (each a proxy, P and D; harness/system.py), the same but for P's
+`--progressive-push` (on, with `--progressive-min-tokens 0` so the short prompts show what it would do
+there too) and `--no-progressive-push`, beside one colocated instance; every process with one BLAS
+thread and the default `--max-prefill-chunk` (256). For each prompt length the same prompts go to the
+three in turn, streamed, one request at a time, greedy; the outputs must be identical, or the bench
+raises. Per length and link:
+- ttft_*_ms: p50 time to the response headers (an instance answers once the first token exists);
+- transfer_ms: p50 of the transfer alone, from the system without progressive push: D's
+  `kvferry_kv_transfer_seconds` delta (P's first write into D's memory to P's FINISH), after the
+  prefill ended;
+- over_on_ms / over_off_ms: TTFT minus the colocated TTFT; over_on_vs_transfer: over_on / transfer
+  (the goal: at most 0.25); parts: partial writes per request (`kvferry_progressive_writes_total`).
+Links: loopback, then (root with ip, iptables and tc: harness/network.py) a shaped one: both P in a
+network namespace behind a veth pair with `tc tbf`, at the rate that makes the transfer of the
+reference prompt's KV alone take as long as its colocated prefill; D, the proxies and the colocated
+instance on the host. Every instance must end with every KV block free, or the bench raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvferry.bench.e2e import Measured, stream_completion
+from kvferry.bench.report import report
+from kvferry.harness.client import percentile
+from kvferry.harness.network import VethLink, unavailable_reason
+from kvferry.harness.processes import LOOPBACK
+from kvferry.harness.sampler import MetricSnapshot, parse_metrics, require_drained
+from kvferry.harness.system import PDSystem, PDSystemConfig, Role
+
+OUTPUT_TOKENS = 4
+SEED = 0
+NUM_BLOCKS = 1200  # an 8k prompt (512 blocks of 16) and its output, with room
+REQUEST_TIMEOUT_S = 900.0  # an 8k prefill of SmolLM2 on one loaded core takes minutes
+# (prompt tokens, repetitions); SmolLM2's context is 8192 tokens.
+FULL_PLAN = ((256, 5), (512, 3), (1024, 3), (2048, 3), (4096, 2), (8000, 1))
+QUICK_PLAN = ((256, 2), (1024, 1))
+SHAPED_PLAN = ((2048, 2), (4096, 1))
+REFERENCE_TOKENS = 2048  # the shaped link's rate: this prompt's KV takes its colocated prefill to move
+
+_SECONDS_SUM = "kvferry_kv_transfer_seconds_sum"
+_BYTES = "kvferry_kv_transfer_bytes_total"
+_PARTS = "kvferry_progressive_writes_total"
+
+
+@dataclass
+class Series:
+    colocated: list[float] = field(default_factory=list)
+    on: list[float] = field(default_factory=list)
+    off: list[float] = field(default_factory=list)
+    transfer: list[float] = field(default_factory=list)
+    parts: list[float] = field(default_factory=list)
+    kv_bytes: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Systems:
+    colocated: str
+    on: tuple[str, str, str]  # proxy, P, D
+    off: tuple[str, str, str]
+
+
+def prompts(length: int, count: int) -> list[list[int]]:
+    rng = random.Random(f"kvferry-progressive-{SEED}-{length}")
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
+
+
+def _metrics(client: httpx.Client, url: str) -> MetricSnapshot:
+    response = client.get(f"{url}/metrics", timeout=10.0)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def _pd(client: httpx.Client, urls: tuple[str, str, str], prompt: list[int]) -> tuple[Measured, float, float, float]:
+    """One P/D request: (measured, D's transfer seconds, P's partial writes, KV bytes D received)."""
+    proxy, p, d = urls
+    p0, d0 = _metrics(client, p), _metrics(client, d)
+    measured = stream_completion(client, proxy, prompt, OUTPUT_TOKENS)
+    p1, d1 = _metrics(client, p), _metrics(client, d)
+    return (measured, d1.value(_SECONDS_SUM) - d0.value(_SECONDS_SUM), p1.value(_PARTS) - p0.value(_PARTS),
+            d1.value(_BYTES) - d0.value(_BYTES))
+
+
+def measure(systems: Systems, plan: Sequence[tuple[int, int]], link: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)) as client:
+        for url in (systems.colocated, systems.on[0], systems.off[0]):  # warm-up, not measured
+            stream_completion(client, url, prompts(64, 1)[0], OUTPUT_TOKENS)
+        for length, reps in plan:
+            s = Series()
+            for i, prompt in enumerate(prompts(length, reps)):
+                base = stream_completion(client, systems.colocated, prompt, OUTPUT_TOKENS)
+                on, _, parts, kv = _pd(client, systems.on, prompt)
+                off, transfer, _, _ = _pd(client, systems.off, prompt)
+                if not base.text == on.text == off.text:
+                    raise RuntimeError(f"outputs differ for prompt {i} of {length} tokens: colocated {base.text!r}, "
+                                       f"progressive {on.text!r}, after the prefill {off.text!r}")
+                s.colocated.append(base.ttft_s)
+                s.on.append(on.ttft_s)
+                s.off.append(off.ttft_s)
+                s.transfer.append(transfer)
+                s.parts.append(parts)
+                s.kv_bytes.append(kv)
+            rows.append(_row(link, length, reps, s))
+    return rows
+
+
+def _row(link: str, length: int, reps: int, s: Series) -> dict[str, Any]:
+    ms = {name: 1000.0 * (percentile(values, 50) or 0.0) for name, values in (
+        ("colocated", s.colocated), ("on", s.on), ("off", s.off), ("transfer", s.transfer))}
+    over_on, over_off = ms["on"] - ms["colocated"], ms["off"] - ms["colocated"]
+    return {
+        "link": link, "prompt_tokens": length, "reps": reps,
+        "ttft_colocated_ms": ms["colocated"], "ttft_progressive_ms": ms["on"], "ttft_after_prefill_ms": ms["off"],
+        "transfer_ms": ms["transfer"], "over_on_ms": over_on, "over_off_ms": over_off,
+        "over_on_vs_transfer": over_on / ms["transfer"] if ms["transfer"] else None,
+        "parts": percentile(s.parts, 50), "kv_mib": (percentile(s.kv_bytes, 50) or 0.0) / 2**20,
+    }
+
+
+@contextlib.contextmanager
+def _systems(model: str, link: VethLink | None = None) -> Iterator[Systems]:
+    """The colocated instance, and the P/D systems with and without progressive push (P behind `link`)."""
+    host, prefix = (LOOPBACK, ()) if link is None else (link.inner_ip, tuple(link.prefix))
+    d_role = Role() if link is None else Role(host=link.outer_ip, args=("--prefill-allow", link.inner_ip))
+    common = PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, abort_timeout=REQUEST_TIMEOUT_S,
+                            kv_load_deadline=REQUEST_TIMEOUT_S, serve_args=("--model", model), health_timeout=180.0,
+                            decode=d_role)
+    on = dataclasses.replace(common, colocated=True,
+                             prefill=Role(args=("--progressive-min-tokens", "0"), host=host, prefix=prefix))
+    off = dataclasses.replace(common, prefill=Role(args=("--no-progressive-push",), host=host, prefix=prefix))
+    with PDSystem(on) as a, PDSystem(off) as b:
+        yield Systems(a.colocated.url, (a.proxy.url, a.prefill.url, a.decode.url),
+                      (b.proxy.url, b.prefill.url, b.decode.url))
+        require_drained({"colocated": a.colocated.url, "P": a.prefill.url, "D": a.decode.url,
+                         "P (after prefill)": b.prefill.url, "D (after prefill)": b.decode.url}, 30)
+
+
+def _shaped_rate(rows: Sequence[dict[str, Any]]) -> int:
+    """Bytes/s at which the reference prompt's KV takes as long to move as its colocated prefill."""
+    ref = min(rows, key=lambda r: abs(r["prompt_tokens"] - REFERENCE_TOKENS))
+    return max(1, int(ref["kv_mib"] * 2**20 / (ref["ttft_colocated_ms"] / 1000.0)))
+
+
+def run(json_path: str | None = None, quick: bool = False, model: str = "smollm2", *,
+        plan: Sequence[tuple[int, int]] | None = None, shaped: bool | None = None) -> list[dict[str, Any]]:
+    """Loopback, then (unless `shaped` is False, or the box cannot: no root) the shaped link; `plan`
+    overrides the loopback plan (tests use a tiny one)."""
+    plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
+    with _systems(model) as systems:
+        rows = measure(systems, plan, "loopback")
+    if shaped is None:
+        shaped = not quick and unavailable_reason() is None
+    if shaped:
+        rate = _shaped_rate(rows)
+        link = VethLink.create()
+        try:
+            link.cap(rate)
+            with _systems(model, link) as systems:
+                for row in measure(systems, SHAPED_PLAN, f"tbf {rate * 8 / 1e6:.0f} Mbit/s"):
+                    rows.append(row)
+        finally:
+            link.close()
+    report(f"kvferry bench progressive ({model}): TTFT with progressive push, after the prefill, colocated",
+           rows, json_path)
+    return rows
