@@ -188,7 +188,7 @@ class Attempt:
             if d_response.status_code != 500 or b"kv_load_failed" not in content:
                 return response, Outcome.DONE
             self.target.forget()
-            if prefill is not None and await self._p_is_gone(prefill):
+            if prefill is not None and await self._p_is_gone(prefill, _failure_code(content)):
                 self.prefills.eject(self.target, "its request failed while D's load failed")
                 if self.prefills.healthy():  # another P can serve it: P's death is not this request's fault
                     return response, Outcome.UNREACHABLE
@@ -213,8 +213,12 @@ class Attempt:
             return StreamingResponse(events, 200, headers=headers), Outcome.DONE
         return StreamingResponse(_relay(d_response, prefill), 200, headers=headers), Outcome.DONE
 
-    async def _p_is_gone(self, prefill: asyncio.Task[httpx.Response]) -> bool:
-        """Did D's load fail because P died (its own HTTP request broke, or its /health does not answer)?"""
+    async def _p_is_gone(self, prefill: asyncio.Task[httpx.Response], code: str) -> bool:
+        """Did D's load fail because P died (D's liveness said so, P's own HTTP request broke, or its
+        /health does not answer)? D's `peer_dead` is already that verdict: a stopped P would hold the
+        /health probe for its whole timeout."""
+        if code == "peer_dead":
+            return True
         await asyncio.wait({prefill}, timeout=_P_VERDICT_WAIT_S)
         if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
             return True
@@ -263,6 +267,14 @@ async def _cancel(decode: asyncio.Task[httpx.Response], prefill: asyncio.Task[ht
     if decode.done() and not decode.cancelled() and decode.exception() is None:
         with contextlib.suppress(httpx.HTTPError):
             await decode.result().aclose()
+
+
+def _failure_code(content: bytes) -> str:
+    """The `code` of an OpenAI-style error body (D's KV-load failure cause), or ""."""
+    body = _json(content)
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else ""
 
 
 def _json(content: bytes) -> Any:
