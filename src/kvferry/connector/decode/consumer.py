@@ -308,10 +308,11 @@ class Consumer:
             self._release_remote(pull)
             if cause in ("recv_timeout", "transport", "peer_dead", "bootstrap"):
                 self.bootstrap.forget(pull.spec.bootstrap_addr, pull.spec.engine_id)
+            if not pull.block_ids:  # release-only: it loads nothing (and the scheduler holds no request)
+                log.info("release for %s not confirmed by P (%s): %s", pull.request_id, cause, message)
+                continue
             self.metrics.kv_load_failures.labels(cause=cause).inc()
             log.warning("KV load for %s failed (%s): %s", pull.request_id, cause, message)
-            if not pull.block_ids:
-                continue  # release-only pull: the scheduler does not hold this request
             bad = set(invalid)  # under `recompute` the scheduler keeps the blocks before the first bad one
             if not self._stage_in([b for b in pull.block_ids if b not in bad]):
                 invalid = list(pull.block_ids)
