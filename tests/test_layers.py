@@ -4,6 +4,9 @@ module reaches itself through its imports (function-level imports count), and ev
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvferry"
@@ -112,3 +115,28 @@ def test_kvferry_instances_start_in_the_one_system_module() -> None:
             if hit:
                 wrong.append(f"{path.relative_to(SRC)}:{getattr(node, 'lineno', '?')}")
     assert not wrong, "kvferry instances started outside harness/system.py: " + ", ".join(wrong)
+
+
+# Comments and docstrings say why, in the present tense: an issue number or a day is history, which git keeps.
+HISTORY = re.compile(r"\bissues? \d+|#\d{2,}|\b20\d\d-\d\d-\d\d\b", re.IGNORECASE)
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    text = path.read_text()
+    found = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+             if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                found.append((first.lineno, first.value.value))
+    return found
+
+
+def test_no_issue_numbers_or_dates_in_src() -> None:
+    wrong = [f"{path.relative_to(SRC)}:{line}: {match.group()}"
+             for path in SRC.rglob("*.py")
+             for line, text in _comments_and_docstrings(path)
+             for match in HISTORY.finditer(text)]
+    assert not wrong, "issue numbers or dates in comments/docstrings (say why, not when): " + ", ".join(wrong)

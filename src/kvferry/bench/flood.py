@@ -1,4 +1,4 @@
-"""`kvferry bench flood` (issue 31): legitimate P/D requests while a stranger without the secret floods
+"""`kvferry bench flood`: legitimate P/D requests while a stranger without the secret floods
 P's control port or D's data port, against the same requests on the same system with no flood.
 
 One proxy + P + D (the harness's `PDSystem`, KVFERRY_SECRET set), the stranger in a process of its own

@@ -142,8 +142,9 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
                 budget -= n
         # Ready requests first: they need no new block, so a head of `waiting` that cannot fit (a preempted
-        # one, issue 18) never strands them. With nothing running, one of them runs, or that head waits only
-        # for blocks that loads or sends in flight will free (no request outgrows the pool: the API checks).
+        # one, whose blocks went back to the pool) never strands them. With nothing running, one of them
+        # runs, or that head waits only for blocks that loads or sends in flight will free (no request
+        # outgrows the pool: the API checks).
         for queue in (self.ready, self.waiting):
             while queue and budget > 0 and not preempted and len(scheduled) < self.config.max_num_seqs:
                 request = queue[0]

@@ -1,4 +1,4 @@
-"""A stranger without KVFERRY_SECRET flooding a P/D system's ports (issue 31), used by the security tests
+"""A stranger without KVFERRY_SECRET flooding a P/D system's ports, used by the security tests
 and `kvferry bench flood`. Each flood runs in a process of its own, so its CPU and descriptors are its own:
 
     python -m kvferry.harness.stranger MODE ADDR [--conns N] [--sources IP=N,...] [--seconds S]

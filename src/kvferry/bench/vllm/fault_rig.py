@@ -137,7 +137,7 @@ def group_cpu_seconds(pgid: int) -> float:
 def idle_cpu(servers: list[Any], seconds: float = 5.0) -> float:
     """Cores the servers use together while nobody sends them anything (busy polling shows here). Divided
     by the wall time from the first /proc scan's start to the second's end: on a loaded box a scan takes
-    seconds, and dividing by `seconds` alone gave 4.88 cores on a 2-core box (2026-12-05)."""
+    seconds, and dividing by `seconds` alone can report more cores than the box has."""
     began = time.monotonic()
     before = sum(group_cpu_seconds(s.popen.pid) for s in servers)
     time.sleep(seconds)

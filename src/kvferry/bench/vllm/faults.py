@@ -11,11 +11,11 @@ can land between the steps: P gets the prompt with `max_tokens: 1` and `kv_trans
 KV-load failure D answers (HTTP 500, before any token) is retried, for both connectors alike, as
 `kvferry proxy --retries` does: a new prefill on the other P if it answers its health check, else on
 the same P after a back-off (0.25 s doubling to 2 s), then D again, up to RETRIES times
-(`KVFERRY_BENCH_RETRIES`; 0 gives the single-try rows of 2026-12-04). NIXL's UCX runs over TCP on the bridge (`UCX_TLS=tcp`): as
+(`KVFERRY_BENCH_RETRIES`; 0: a single try per request). NIXL's UCX runs over TCP on the bridge (`UCX_TLS=tcp`): as
 between two hosts without RDMA, every KV byte crosses the network that the faults act on (on one box
 UCX would otherwise read P's memory directly, `cma`, which no network fault touches).
 
-`KVFERRY_BENCH_P_TP=2` runs the matrix with P (the faulted one) at tensor parallel 2 (issue 30.5): every
+`KVFERRY_BENCH_P_TP=2` runs the matrix with P (the faulted one) at tensor parallel 2: every
 server serves SmolLM2 with its KV heads doubled (systems.write_doubled_heads: the same model, heads TP 2
 can split), D's and P2 stay at TP 1, the reference answers come from P2 (D's TP), and the `kill_p_rank`
 cell (P's rank 1 worker alone killed while D reads) joins the faults.

@@ -1,5 +1,5 @@
 """Which systems `kvferry bench vllm` measures (`KVFERRY_BENCH_SYSTEMS`, e.g. `kvferry-tp1,kvferry-tp2,nixl-tp2`)
-and how the tensor-parallel ones run (issue 30, item 5).
+and how the tensor-parallel ones run.
 
 SmolLM2-135M has 9 attention heads and 3 KV heads: vLLM refuses it at TP 2 (the heads must divide). The
 TP systems serve its shape with 8 query heads and 2 KV heads (head_dim 64, the same 30 layers and width)

@@ -82,7 +82,8 @@ class RankWriter:
         self.shared.layout.stage_out(src)
         dst = pull.block_ids[first : first + n]
         ops = write_ops(self.shared.layout, src[:n], dst, heads, pull.d_num_blocks, pull.d_layout)
-        key = block_key(self.shared.secret, pull.transfer_id, pull.grant_token)  # keyed with a secret (#31)
+        # Keyed by the secret where there is one: a stranger cannot forge the checksums.
+        key = block_key(self.shared.secret, pull.transfer_id, pull.grant_token)
         checksums = ([self.shared.layout.checksum(b, heads, key, first + i) for i, b in enumerate(src)]
                      if pull.want_checksums else [])
         return ops, checksums
