@@ -86,7 +86,7 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 def pull_through(stall: int, secret: bytes | None, deadline_s: float) -> tuple[dict[str, tuple[str, str]], np.ndarray,
                                                                                   float, int]:
     """One pull from a real P via the relay; returns the causes, D's KV, the seconds it took, connections."""
-    server = BootstrapServer("127.0.0.1", free_port())
+    server = BootstrapServer("127.0.0.1", free_port(), secret=secret)  # D with a secret trusts no other
     server.start()
     d_kv = np.zeros(SPEC.shape, dtype=np.float32)
     p_kv = np.full(SPEC.shape, 7.0, dtype=np.float32)
