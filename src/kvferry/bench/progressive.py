@@ -5,34 +5,39 @@ Two P/D systems run side by side (each a proxy, P and D; harness/system.py), the
 there too) and `--no-progressive-push`, beside one colocated instance; every process with one BLAS
 thread and the default `--max-prefill-chunk` (256). For each prompt length the same prompts go to the
 three in turn, streamed, one request at a time, greedy; the outputs must be identical, or the bench
-raises. Per length and link:
-- ttft_*_ms: p50 time to the response headers (an instance answers once the first token exists);
-- transfer_ms: p50 of the transfer alone, from the system without progressive push: D's
-  `kvferry_kv_transfer_seconds` delta (P's first write into D's memory to P's FINISH), after the
-  prefill ended;
-- over_on_ms / over_off_ms: TTFT minus the colocated TTFT; over_on_vs_transfer: over_on / transfer
-  (the goal: at most 0.25); parts: partial writes per request (`kvferry_progressive_writes_total`).
-Links: loopback, then (root with ip, iptables and tc: harness/network.py) a shaped one: both P in a
-network namespace behind a veth pair with `tc tbf`, at the rate that makes the transfer of the
-reference prompt's KV alone take as long as its colocated prefill; D, the proxies and the colocated
-instance on the host. Every instance must end with every KV block free, or the bench raises.
+raises. Per length and link (p50 over the prompts):
+- ttft_*_ms: time to the response headers (an instance answers once the first token exists);
+- prefill_ms: P's own TTFT for the request (its `kvferry_time_to_first_token_seconds`: P's prefill);
+- transfer_ms: the transfer alone, from the system without progressive push: D's
+  `kvferry_kv_transfer_seconds` (P's first write into D's memory to P's FINISH), after the prefill;
+- over_on_ms / over_off_ms: what P/D adds to TTFT over colocated. Two processes' prefills of one prompt
+  differ by seconds on a shared box, far more than a loopback transfer, so per request it is the
+  client's TTFT minus P's own TTFT (the proxy, the transfer after the prefill, D's step), less the same
+  for the colocated instance (its HTTP path); over_on_vs_transfer: over_on / transfer (the goal: at
+  most 0.25); parts: partial writes per request (`kvferry_progressive_writes_total`).
+Links: loopback, then (root with `ip` and `tc`) a shaped one: both P in a network namespace behind a
+veth pair (harness/network.py) with `tc tbf`, at the rate that makes the transfer of the reference
+prompt's KV alone take as long as its colocated prefill; D, the proxies and the colocated instance on
+the host. Every instance must end with every KV block free, or the bench raises.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from kvferry.bench.e2e import Measured, stream_completion
+from kvferry.bench.e2e import stream_completion
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
-from kvferry.harness.network import VethLink, unavailable_reason
+from kvferry.harness.network import VethLink
 from kvferry.harness.processes import LOOPBACK
 from kvferry.harness.sampler import MetricSnapshot, parse_metrics, require_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig, Role
@@ -50,6 +55,7 @@ REFERENCE_TOKENS = 2048  # the shaped link's rate: this prompt's KV takes its co
 _SECONDS_SUM = "kvferry_kv_transfer_seconds_sum"
 _BYTES = "kvferry_kv_transfer_bytes_total"
 _PARTS = "kvferry_progressive_writes_total"
+_TTFT_SUM = "kvferry_time_to_first_token_seconds_sum"
 
 
 @dataclass
@@ -57,9 +63,25 @@ class Series:
     colocated: list[float] = field(default_factory=list)
     on: list[float] = field(default_factory=list)
     off: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)  # P's own TTFT (with progressive push)
+    over_on: list[float] = field(default_factory=list)
+    over_off: list[float] = field(default_factory=list)
     transfer: list[float] = field(default_factory=list)
     parts: list[float] = field(default_factory=list)
     kv_bytes: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request: the client's TTFT, and from the instances' /metrics deltas: the serving instance's own
+    TTFT (P's, for P/D), D's transfer seconds, P's partial writes, the KV bytes D received."""
+
+    ttft: float
+    own_ttft: float
+    text: str
+    transfer: float = 0.0
+    parts: float = 0.0
+    kv_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,14 +102,17 @@ def _metrics(client: httpx.Client, url: str) -> MetricSnapshot:
     return parse_metrics(response.text)
 
 
-def _pd(client: httpx.Client, urls: tuple[str, str, str], prompt: list[int]) -> tuple[Measured, float, float, float]:
-    """One P/D request: (measured, D's transfer seconds, P's partial writes, KV bytes D received)."""
-    proxy, p, d = urls
-    p0, d0 = _metrics(client, p), _metrics(client, d)
-    measured = stream_completion(client, proxy, prompt, OUTPUT_TOKENS)
-    p1, d1 = _metrics(client, p), _metrics(client, d)
-    return (measured, d1.value(_SECONDS_SUM) - d0.value(_SECONDS_SUM), p1.value(_PARTS) - p0.value(_PARTS),
-            d1.value(_BYTES) - d0.value(_BYTES))
+def _one(client: httpx.Client, urls: tuple[str, ...], prompt: list[int]) -> Sample:
+    """One request through `urls` (proxy, P, D; or the colocated instance alone)."""
+    own, d = urls[1 if len(urls) > 1 else 0], urls[-1]
+    o0, d0 = _metrics(client, own), _metrics(client, d)
+    measured = stream_completion(client, urls[0], prompt, OUTPUT_TOKENS)
+    o1, d1 = _metrics(client, own), _metrics(client, d)
+    if len(urls) == 1:
+        return Sample(measured.ttft_s, o1.value(_TTFT_SUM) - o0.value(_TTFT_SUM), measured.text)
+    return Sample(measured.ttft_s, o1.value(_TTFT_SUM) - o0.value(_TTFT_SUM), measured.text,
+                  d1.value(_SECONDS_SUM) - d0.value(_SECONDS_SUM), o1.value(_PARTS) - o0.value(_PARTS),
+                  d1.value(_BYTES) - d0.value(_BYTES))
 
 
 def measure(systems: Systems, plan: Sequence[tuple[int, int]], link: str) -> list[dict[str, Any]]:
@@ -98,31 +123,34 @@ def measure(systems: Systems, plan: Sequence[tuple[int, int]], link: str) -> lis
         for length, reps in plan:
             s = Series()
             for i, prompt in enumerate(prompts(length, reps)):
-                base = stream_completion(client, systems.colocated, prompt, OUTPUT_TOKENS)
-                on, _, parts, kv = _pd(client, systems.on, prompt)
-                off, transfer, _, _ = _pd(client, systems.off, prompt)
+                base = _one(client, (systems.colocated,), prompt)
+                on, off = _one(client, systems.on, prompt), _one(client, systems.off, prompt)
                 if not base.text == on.text == off.text:
                     raise RuntimeError(f"outputs differ for prompt {i} of {length} tokens: colocated {base.text!r}, "
                                        f"progressive {on.text!r}, after the prefill {off.text!r}")
-                s.colocated.append(base.ttft_s)
-                s.on.append(on.ttft_s)
-                s.off.append(off.ttft_s)
-                s.transfer.append(transfer)
-                s.parts.append(parts)
-                s.kv_bytes.append(kv)
+                http = base.ttft - base.own_ttft  # what a colocated answer adds to the instance's own TTFT
+                s.colocated.append(base.ttft)
+                s.on.append(on.ttft)
+                s.off.append(off.ttft)
+                s.prefill.append(on.own_ttft)
+                s.over_on.append(on.ttft - on.own_ttft - http)
+                s.over_off.append(off.ttft - off.own_ttft - http)
+                s.transfer.append(off.transfer)
+                s.parts.append(on.parts)
+                s.kv_bytes.append(on.kv_bytes)
             rows.append(_row(link, length, reps, s))
     return rows
 
 
 def _row(link: str, length: int, reps: int, s: Series) -> dict[str, Any]:
     ms = {name: 1000.0 * (percentile(values, 50) or 0.0) for name, values in (
-        ("colocated", s.colocated), ("on", s.on), ("off", s.off), ("transfer", s.transfer))}
-    over_on, over_off = ms["on"] - ms["colocated"], ms["off"] - ms["colocated"]
+        ("colocated", s.colocated), ("on", s.on), ("off", s.off), ("prefill", s.prefill), ("transfer", s.transfer),
+        ("over_on", s.over_on), ("over_off", s.over_off))}
     return {
         "link": link, "prompt_tokens": length, "reps": reps,
         "ttft_colocated_ms": ms["colocated"], "ttft_progressive_ms": ms["on"], "ttft_after_prefill_ms": ms["off"],
-        "transfer_ms": ms["transfer"], "over_on_ms": over_on, "over_off_ms": over_off,
-        "over_on_vs_transfer": over_on / ms["transfer"] if ms["transfer"] else None,
+        "prefill_ms": ms["prefill"], "transfer_ms": ms["transfer"], "over_on_ms": ms["over_on"],
+        "over_off_ms": ms["over_off"], "over_on_vs_transfer": ms["over_on"] / ms["transfer"] if ms["transfer"] else None,
         "parts": percentile(s.parts, 50), "kv_mib": (percentile(s.kv_bytes, 50) or 0.0) / 2**20,
     }
 
@@ -146,9 +174,9 @@ def _systems(model: str, link: VethLink | None = None) -> Iterator[Systems]:
 
 
 def _shaped_rate(rows: Sequence[dict[str, Any]]) -> int:
-    """Bytes/s at which the reference prompt's KV takes as long to move as its colocated prefill."""
+    """Bytes/s at which the reference prompt's KV takes as long to move as its prefill."""
     ref = min(rows, key=lambda r: abs(r["prompt_tokens"] - REFERENCE_TOKENS))
-    return max(1, int(ref["kv_mib"] * 2**20 / (ref["ttft_colocated_ms"] / 1000.0)))
+    return max(1, int(ref["kv_mib"] * 2**20 / (ref["prefill_ms"] / 1000.0)))
 
 
 def run(json_path: str | None = None, quick: bool = False, model: str = "smollm2", *,
@@ -159,7 +187,7 @@ def run(json_path: str | None = None, quick: bool = False, model: str = "smollm2
     with _systems(model) as systems:
         rows = measure(systems, plan, "loopback")
     if shaped is None:
-        shaped = not quick and unavailable_reason() is None
+        shaped = not quick and os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "tc"))
     if shaped:
         rate = _shaped_rate(rows)
         link = VethLink.create()
