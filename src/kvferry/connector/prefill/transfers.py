@@ -8,7 +8,7 @@ frees, and only once no write reads its blocks. So blocks are freed exactly once
 in-flight write; a write is a handle, so a late or repeated completion cannot drive a count negative.
 A partial write (progressive push: blocks of a prefill still running) is a `Write` like any other, so a
 request that ends without KV while one is in flight lends its blocks here until it returns.
-Shared by the engine thread (working / ready / dead) and the rank threads under one lock; freed
+Shared by the engine thread (working / progress / ready / dead) and the rank threads under one lock; freed
 transfers reach the engine as `finished_sending`.
 """
 
