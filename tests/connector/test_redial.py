@@ -14,11 +14,12 @@ import time
 
 import numpy as np
 import pytest
-from test_starved_p import D_BLOCKS, INTERVAL, SPEC, ended, p_and_d
+from test_starved_p import D_BLOCKS, INTERVAL, SPEC, StarvedP, ended, p_and_d
 
 import kvferry.connector.decode.dealer as dealer_module
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapServer, Registration
 from kvferry.connector.decode.consumer import Consumer
+from kvferry.connector.decode.dealer import Dealer
 from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import PagedKVLayout
@@ -38,6 +39,21 @@ STOPPED_S = 2.0  # 4x the ZMTP timeout (0.5 s): the connection drops; a second u
 def pulling(consumer: Consumer) -> bool:
     """D's pull went out to P on an established connection."""
     return any(d.connected and d.waiters for d in list(consumer._dealers.values()))
+
+
+def starve_then_drop(p: StarvedP, dealer: Dealer, starve_s: float, stop_after_s: float) -> None:
+    """P's Python silent for `starve_s`; `stop_after_s` into it the whole process is stopped until its
+    connection drops, then let go at once; returns when the starve ended."""
+    assert p.proc.stdin is not None and p.proc.stdout is not None
+    p.proc.stdin.write(f"starve {starve_s}\n")
+    p.proc.stdin.flush()
+    time.sleep(stop_after_s)
+    os.kill(p.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not dealer.connected, 5, "libzmq to drop the connection of the stopped P", interval=0.002)
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+    assert p.proc.stdout.readline().strip() == "ok"
 
 
 def test_a_p_stopped_past_the_zmtp_timeout_within_the_bound_its_slow_acks_allow_is_not_dead() -> None:
@@ -81,14 +97,7 @@ def test_a_drop_after_long_python_silence_is_judged_from_the_drop() -> None:
             p.do(f"starve {SLOW_ACK_S}")
         wait_until(lambda: dealer.silence.threshold() >= 3.0, 10, "D's bound to follow the slow acks")
         bound = dealer.silence.threshold()
-        assert p.proc.stdin is not None and p.proc.stdout is not None
-        p.proc.stdin.write(f"starve {bound + 2.5}\n")  # P's Python silent past the bound...
-        p.proc.stdin.flush()
-        time.sleep(bound + 0.5)
-        os.kill(p.proc.pid, signal.SIGSTOP)  # ...then the whole process, until its connection drops
-        wait_until(lambda: not dealer.connected, 5, "libzmq to drop the connection of the stopped P", interval=0.002)
-        os.kill(p.proc.pid, signal.SIGCONT)
-        assert p.proc.stdout.readline().strip() == "ok"  # the starve ended
+        starve_then_drop(p, dealer, bound + 2.5, bound + 0.5)
         p.do("ready xfer-a p-a")
         wait_until(lambda: ended(consumer, causes, finished, "a"), 20, "the pull to end")
         assert causes == {}, f"D gave up on a P whose process lived until its connection dropped: {causes}"
@@ -106,17 +115,7 @@ def test_a_drop_after_python_silence_on_an_idle_history_is_judged_by_the_redial(
         consumer.start_pulls([PullSpec("a", "xfer-a", D_BLOCKS, "starved-p", p.bootstrap, 16)])
         wait_until(lambda: pulling(consumer), 10, "D pulling from P")
         dealer = next(iter(consumer._dealers.values()))
-        assert p.proc.stdin is not None and p.proc.stdout is not None
-        p.proc.stdin.write("starve 2.0\n")  # P's Python silent four times the bound...
-        p.proc.stdin.flush()
-        time.sleep(0.6)
-        os.kill(p.proc.pid, signal.SIGSTOP)  # ...then the whole process, until its connection drops
-        try:
-            wait_until(lambda: not dealer.connected, 5, "libzmq to drop the connection of the stopped P",
-                       interval=0.002)
-        finally:
-            os.kill(p.proc.pid, signal.SIGCONT)
-        assert p.proc.stdout.readline().strip() == "ok"  # the starve ended
+        starve_then_drop(p, dealer, 2.0, 0.6)  # P's Python silent four times the bound
         p.do("ready xfer-a p-a")
         wait_until(lambda: ended(consumer, causes, finished, "a"), 20, "the pull to end")
         assert causes == {}, f"D gave up on a P whose connection dropped and came back: {causes}"

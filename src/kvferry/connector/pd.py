@@ -267,14 +267,15 @@ class PDScheduler:
             self._duplicates.discard(request.request_id)
             return False, None
         # Blocks a partial write may be reading stay out of the pool until the producer hands them back.
-        lent = self._pushing.pop(request.request_id, None) is not None and bool(block_ids)
+        pushed = self._pushing.pop(request.request_id, None)
+        lent = pushed is not None and bool(block_ids)
         if request.finish_reason not in ("stop", "length") or not block_ids:
             self._dead.append(Dead(transfer_id, request.request_id, lent))
             self._release_claim(transfer_id, request.request_id)
             return lent, None
         self._lent[request.request_id] = transfer_id
         self._to_send.append(SendSpec(transfer_id, request.request_id, list(block_ids), request.num_prompt_tokens,
-                                      self._digest(request), request.first_token))
+                                      pushed.prompt_digest if pushed else self._digest(request), request.first_token))
         return True, {
             "do_remote_prefill": True,
             "transfer_id": transfer_id,

@@ -323,12 +323,7 @@ class Scheduler:
         delay_free, params = self.connector.request_finished(request, [] if quarantined else blocks)
         request.out_kv_transfer_params = params
         del self.requests[request.request_id]
-        if quarantined:
-            self.quarantine[request.request_id] = blocks
-        elif delay_free and blocks:
-            self.sending[request.request_id] = blocks
-        else:
-            self.pool.free(blocks)
+        self._put_away(request.request_id, blocks, quarantined, delay_free)
 
     def _release(self, request: Request, quarantined: bool) -> None:
         """An aborted remote load was reported by the worker: now its blocks are safe to reuse (or, when
@@ -336,8 +331,15 @@ class Scheduler:
         blocks = self.block_tables.pop(request.request_id, [])
         self.requests.pop(request.request_id, None)
         self.connector.request_finished(request, [] if quarantined else blocks)
+        self._put_away(request.request_id, blocks, quarantined)
+
+    def _put_away(self, request_id: str, blocks: list[int], quarantined: bool, delay_free: bool = False) -> None:
+        """A finished request's blocks: quarantined (a read may still write them), lent to the connector
+        (`delay_free`), or back to the pool."""
         if quarantined:
-            self.quarantine[request.request_id] = blocks
+            self.quarantine[request_id] = blocks
+        elif delay_free and blocks:
+            self.sending[request_id] = blocks
         else:
             self.pool.free(blocks)
 
