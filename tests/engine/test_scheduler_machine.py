@@ -1,6 +1,7 @@
 """A hypothesis state machine over the scheduler: local and remote requests, KV landing at random steps,
-load failures under both policies, aborts at any time, delayed frees and preemption, on pools down to the
-smallest that holds one request. Every step: integrity, no stall; at the end: every request finished
+load failures under both policies (also with blocks a read may still write: quarantined for some steps),
+aborts at any time, delayed frees, P requests pushed while they are computed (lent: never preempted), and
+preemption, on pools down to the smallest that holds one request. Every step: integrity, no stall; at the end: every request finished
 (within a bound) with the status its plan implies, and the pool full again.
 
 The machine drives the scheduler and `ScriptedConnector` the way `Engine.step` does, without the model:
@@ -25,7 +26,8 @@ from kvferry.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 TOKEN = 7  # what the fake model samples (ignore_eos: only max_tokens stops a request)
 MAX_LOAD_STEPS = 6
-FAILURES = ("blocks", "blocks_no_cause", "cause")  # the load reports lost blocks, a cause, or both
+# The load reports lost blocks, a cause, or both; "quarantined": a cause, with blocks a read may still write.
+FAILURES = ("blocks", "blocks_no_cause", "cause", "quarantined")
 OUTCOMES = ("ok", *FAILURES, "never")  # "never": the load lands only after an abort
 CAUSE = ("transport", "data plane broke")
 
@@ -80,12 +82,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ---- rules ------------------------------------------------------------------------------------
     @precondition(lambda self: self.scheduler is not None)
-    @rule(prompt_len=st.integers(1, 70), max_tokens=st.integers(1, 20), send_after=st.none() | st.integers(1, 4))
-    def add_local(self, prompt_len: int, max_tokens: int, send_after: int | None) -> None:
+    @rule(prompt_len=st.integers(1, 70), max_tokens=st.integers(1, 20), send_after=st.none() | st.integers(1, 4),
+          progressive=st.booleans())
+    def add_local(self, prompt_len: int, max_tokens: int, send_after: int | None, progressive: bool) -> None:
         prompt_len, max_tokens = self._fit(prompt_len, max_tokens)
         rid = f"local-{len(self.planned)}"
         if send_after is not None:  # a P-style request: blocks stay lent to the connector after it ends
             self.connector.plan_send(rid, send_after)
+            if progressive:  # ... and from admission on, while P computes it
+                self.connector.plan_progressive(rid)
         self._add(Planned(Request(rid, [1] * prompt_len, SamplingParams(max_tokens, ignore_eos=True))))
 
     @precondition(lambda self: self.scheduler is not None)
@@ -94,17 +99,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 20),
         after=st.integers(1, MAX_LOAD_STEPS),
         outcome=st.sampled_from(OUTCOMES),
+        held=st.integers(1, 4),
         data=st.data(),
     )
-    def add_remote(self, prompt_len: int, max_tokens: int, after: int, outcome: str, data: st.DataObject) -> None:
+    def add_remote(self, prompt_len: int, max_tokens: int, after: int, outcome: str, held: int,
+                   data: st.DataObject) -> None:
         prompt_len, max_tokens = self._fit(prompt_len, max_tokens)
         rid = f"remote-{len(self.planned)}"
         invalid: tuple[int, ...] = ()
         if outcome in ("blocks", "blocks_no_cause"):
             n = blocks_for(prompt_len, self.s.config.block_size)
             invalid = tuple(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1), label="invalid")))
-        cause = CAUSE if outcome in ("blocks", "cause") else None
-        self.connector.plan_load(rid, LoadPlan(None, after, invalid, cause, never_finish=outcome == "never"))
+        cause = CAUSE if outcome in ("blocks", "cause", "quarantined") else None
+        # A read that may still write: the blocks stay out of the pool `held` steps after the report (for
+        # "never", after the abort's).
+        quarantine = held if outcome == "quarantined" or (outcome == "never" and held > 2) else None
+        self.connector.plan_load(rid, LoadPlan(None, after, invalid, cause, never_finish=outcome == "never",
+                                               quarantine_steps=quarantine))
         self.add_remote_request(rid, prompt_len, max_tokens, outcome, invalid)
 
     def add_remote_request(self, rid: str, prompt_len: int, max_tokens: int, outcome: str = "ok",
@@ -145,7 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # examples); a deadlock or a livelock never ends.
         bound = 10 + MAX_LOAD_STEPS + 4 * sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in live)
         for _ in range(bound):
-            if not (self.s.has_unfinished or self.s.remote or self.s.sending):
+            if not (self.s.has_unfinished or self.s.remote or self.s.sending or self.s.quarantine):
                 break
             self.step()
         self.check_all_finished()
@@ -154,7 +165,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self) -> SchedulerOutput:
         s, c = self.s, self.connector
         out = s.schedule()
-        in_flight = bool(s.remote or s.sending)  # loads (also those started just now) and sends will end
+        # Loads (also those started just now), sends and quarantined reads will end.
+        in_flight = bool(s.remote or s.sending or s.quarantine)
         c.start_load_kv(c.build_connector_meta(out))
         for chunk in out.chunks:
             rid = chunk.request.request_id
@@ -167,7 +179,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(ch.num_tokens for ch in out.chunks) <= s.config.max_num_batched_tokens
         sampled = {ch.request.request_id: TOKEN for ch in out.chunks if ch.start_pos + ch.num_tokens == ch.request.num_tokens}
         sending, recving = c.get_finished(out.finished_req_ids)
-        worker = WorkerResult(sending, recving, c.get_block_ids_with_load_errors(), c.get_failure_causes())
+        worker = WorkerResult(sending, recving, c.get_block_ids_with_load_errors(), c.get_failure_causes(),
+                              quarantined=c.get_quarantined())
         for request in s.update(out, sampled, worker):
             if not request.is_finished and len(request.output_token_ids) >= request.sampling_params.max_tokens:
                 s.finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -180,6 +193,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             self.idle_steps = 0
         assert self.s.num_unknown_ids == 0
+        for request in s.running:  # lent: every block it can need from admission on, never preempted
+            if request.kv_lent:
+                need = request.num_prompt_tokens + request.sampling_params.max_tokens - 1
+                assert len(s.block_tables[request.request_id]) >= blocks_for(need, s.config.block_size)
+                assert request.num_recomputed_tokens == 0 and request.request_id in c.progressive
         return out
 
     # ---- checks -----------------------------------------------------------------------------------
@@ -189,13 +207,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         s = self.scheduler
         s.check_integrity()
-        owned = [b for table in s.block_tables.values() for b in table] + [b for t in s.sending.values() for b in t]
+        owned = [b for t in (*s.block_tables.values(), *s.sending.values(), *s.quarantine.values()) for b in t]
         assert len(owned) == len(set(owned)), f"a block has two owners: {self.describe()}"
         assert all(s.pool.refcount(b) == 1 for b in owned)
 
     def check_all_finished(self) -> None:
         s = self.s
-        assert not (s.has_unfinished or s.remote or s.sending), f"not idle after the bound: {self.describe()}"
+        assert not (s.has_unfinished or s.remote or s.sending or s.quarantine), f"not idle after the bound: {self.describe()}"
         assert s.pool.num_free == s.pool.num_total, self.describe()
         assert not (s.requests or s.ready or s.block_tables), self.describe()
         # request_finished exactly once per request: the connector frees (or releases) each one once.
@@ -213,13 +231,25 @@ class SchedulerMachine(RuleBasedStateMachine):
                 first_invalid = min(p.invalid) if p.invalid else 0
                 lost = r.num_prompt_tokens - first_invalid * s.config.block_size if p.outcome in FAILURES else 0
                 assert r.num_recomputed_tokens == lost, rid
+            self.check_progress(p)
+
+    def check_progress(self, p: Planned) -> None:
+        """What P's connector heard of a pushed request: whole steps of its prompt, growing, in the blocks
+        it held from admission to the end (never preempted, never moved)."""
+        reports = self.connector.progress.get(p.request.request_id, [])
+        if p.request.request_id not in self.connector.progressive:
+            assert not reports
+            return
+        computed = [n for n, _ in reports]
+        assert computed == sorted(set(computed)) and all(0 < n < p.request.num_prompt_tokens for n in computed)
+        assert len({tuple(blocks) for _, blocks in reports}) <= 1, "a pushed request's blocks moved"
 
     def describe(self) -> str:
         s = self.s
         live = ", ".join(f"{r.request_id}:{r.status.name}@{r.num_computed_tokens}/{r.num_tokens}"
                          f"+{len(s.block_tables.get(r.request_id, []))}b" for r in s._all_live())
         return (f"step {s.step_count}, free {s.pool.num_free}/{s.pool.num_total}, sending {sorted(s.sending)}, "
-                f"live [{live}]")
+                f"quarantine {sorted(s.quarantine)}, live [{live}]")
 
     def teardown(self) -> None:
         if self.scheduler is not None:
@@ -242,3 +272,17 @@ def test_issue_18_three_remote_requests_on_four_blocks(second_lands_after: int) 
         machine.connector.plan_load(f"r{i}", LoadPlan(None, after_steps=after))
         machine.add_remote_request(f"r{i}", 31, 12)
     machine.drain()
+
+
+def test_a_pushed_request_is_never_the_preemption_victim() -> None:
+    """P pushes B while it computes (every block it can need, lent from admission); A, ahead of it in the
+    running queue, outgrows the full pool mid-way through B's prefill: A preempts itself, B keeps its
+    blocks (a write may be reading them), and both finish."""
+    machine = SchedulerMachine()
+    machine.setup(num_blocks=4, block_size=4, policy="fail", budget=4, chunk=0, max_seqs=2)
+    machine.add_local(prompt_len=3, max_tokens=6, send_after=None, progressive=False)
+    machine.add_local(prompt_len=8, max_tokens=5, send_after=1, progressive=True)
+    machine.drain()
+    pushed = machine.planned["local-1"].request
+    assert [n for n, _ in machine.connector.progress["local-1"]] == [1, 4]  # then the prompt's end
+    assert pushed.num_preemptions == 0 and machine.planned["local-0"].request.num_preemptions > 0

@@ -62,6 +62,8 @@ class ScriptedConnector(KVConnector):
         self.finished_calls: list[str] = []
         self.alloc_calls: list[tuple[str, list[int], int]] = []
         self._blocks: dict[str, list[int]] = {}
+        self.progressive: set[str] = set()  # request ids P pushes while they are computed
+        self.progress: defaultdict[str, list[tuple[int, list[int]]]] = defaultdict(list)  # (computed, blocks)
 
     # ---- planning (test API) ----------------------------------------------------------------------
     def plan_load(self, request_id: str, plan: LoadPlan) -> None:
@@ -69,6 +71,10 @@ class ScriptedConnector(KVConnector):
 
     def plan_send(self, request_id: str, after_steps: int = 1) -> None:
         self.sends[request_id] = after_steps
+
+    def plan_progressive(self, request_id: str) -> None:
+        """P pushes this request's KV while it is computed (`pushes_progressively`)."""
+        self.progressive.add(request_id)
 
     def inject(self, after_steps: int, **fields: Any) -> None:
         """Report arbitrary ids (e.g. unknown ones) `after_steps` steps from now."""
@@ -90,6 +96,12 @@ class ScriptedConnector(KVConnector):
             return 0, False
         tokens = request.num_prompt_tokens if plan.num_tokens is None else plan.num_tokens
         return tokens, tokens > 0
+
+    def pushes_progressively(self, request: RequestLike) -> bool:
+        return request.request_id in self.progressive
+
+    def prefill_progress(self, request: RequestLike, block_ids: Sequence[int], num_computed_tokens: int) -> None:
+        self.progress[request.request_id].append((num_computed_tokens, list(block_ids)))
 
     def update_state_after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self.alloc_calls.append((request.request_id, list(block_ids), num_external_tokens))
