@@ -140,3 +140,66 @@ def test_no_issue_numbers_or_dates_in_src() -> None:
              for line, text in _comments_and_docstrings(path)
              for match in HISTORY.finditer(text)]
     assert not wrong, "issue numbers or dates in comments/docstrings (say why, not when): " + ", ".join(wrong)
+
+
+# Each setting's default has one home, the config record of the lowest layer that owns it (`ConsumerConfig`,
+# `PDConfig`, `SchedulerConfig`, `EngineConfig`); CLI flags, vLLM's settings and the harness read it by
+# field. A literal default is a record field, an argparse `default=` or a `.get(key, default)`.
+SETTINGS = {"abort_timeout_s", "kv_load_deadline_s", "recv_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
+            "heartbeat_ceiling_s", "bootstrap_port", "bootstrap_timeout_s", "block_size", "progressive_push",
+            "progressive_min_tokens", "num_blocks", "max_prefill_chunk", "max_num_seqs", "max_num_batched_tokens",
+            "kv_load_failure_policy", "checksums", "control_port", "data_port", "advertise_host", "dealer_idle_s",
+            "tp_size"}
+# The engine does not import `PDConfig` (it would load the connector's servers): block size's one pair.
+TWO_HOMES = {"block_size": {"engine/scheduler.py", "connector/pd.py"}}
+
+
+def _literal_defaults(path: Path) -> list[tuple[str, int]]:
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            found += [(s.target.id, s.lineno) for s in node.body
+                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                      and isinstance(s.value, ast.Constant) and s.value.value is not None]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            attr = getattr(node.func, "attr", "")
+            if attr == "add_argument":
+                found += [(str(node.args[0].value), node.lineno) for kw in node.keywords
+                          if kw.arg == "default" and isinstance(kw.value, ast.Constant) and kw.value.value is not None]
+            elif attr == "get" and len(node.args) == 2 and isinstance(node.args[1], ast.Constant):
+                found.append((str(node.args[0].value), node.lineno))
+    return found
+
+
+def test_each_default_is_written_once() -> None:
+    homes: dict[str, list[str]] = {}
+    for path in SRC.rglob("*.py"):
+        for name, line in _literal_defaults(path):
+            name = name.lstrip("-").replace("-", "_")
+            setting = next((s for s in (name, f"{name}_s") if s in SETTINGS), None)
+            if setting:
+                homes.setdefault(setting, []).append(f"{path.relative_to(SRC)}:{line}")
+    wrong = {name: places for name, places in homes.items()
+             if len(places) > 1 and {p.split(":")[0] for p in places} != TWO_HOMES.get(name)}
+    assert not wrong, f"defaults written in more than one place (read the home's field instead): {wrong}"
+
+
+def test_serve_flags_default_to_the_config_records() -> None:
+    from kvferry.cli import build_parser
+    from kvferry.connector.decode.pulls import ConsumerConfig
+    from kvferry.connector.pd import PDConfig
+    from kvferry.engine.engine import EngineConfig
+    from kvferry.engine.scheduler import SchedulerConfig
+
+    args = build_parser().parse_args(["serve"])
+    pd, engine = PDConfig(role="decode", engine_id="e"), EngineConfig()
+    assert pd.block_size == SchedulerConfig.block_size == engine.block_size == args.block_size
+    assert pd.recv_timeout_s == ConsumerConfig().recv_timeout_s
+    for flag, field in (("abort_timeout", "abort_timeout_s"), ("kv_load_deadline", "kv_load_deadline_s"),
+                        ("heartbeat_interval", "heartbeat_interval_s"), ("heartbeat_timeout", "heartbeat_timeout_s"),
+                        ("heartbeat_ceiling", "heartbeat_ceiling_s"), ("bootstrap_timeout", "bootstrap_timeout_s"),
+                        ("bootstrap_port", "bootstrap_port"), ("transfer", "transfer"), ("tp", "tp_size"),
+                        ("progressive_min_tokens", "progressive_min_tokens"), ("host", "host")):
+        assert getattr(args, flag) == getattr(pd, field), flag
+    for flag in ("num_blocks", "max_prefill_chunk", "kv_load_failure_policy", "seed"):
+        assert getattr(args, flag) == getattr(engine, flag), flag

@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from kvferry.connector.auth import deployment_secret, is_loopback
 from kvferry.connector.base import ConnectorRole, KVConnector
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
-from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pd import PROGRESSIVE_MIN_TOKENS, PDConfig
+from kvferry.connector.pd import PDConfig
 from kvferry.connector.pd_connector import PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
@@ -29,36 +28,36 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("serve", help="run one instance (prefill, decode, or both colocated)")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
                    help="prefill: computes KV and serves pulls; decode: pulls KV; both: colocated, no transfer")
-    p.add_argument("--host", default="127.0.0.1", help="bind address of every listener (HTTP, ZMQ, data plane)")
+    p.add_argument("--host", default=PDConfig.host, help="bind address of every listener (HTTP, ZMQ, data plane)")
     p.add_argument("--port", type=int, default=8100, help="HTTP API port")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (KV heads sharded over them)")
-    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail",
+    p.add_argument("--tp", type=int, default=PDConfig.tp_size, help="tensor-parallel ranks (KV heads sharded over them)")
+    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default=EngineConfig.kv_load_failure_policy,
                    help="decode side: a failed KV load ends the request with HTTP 500, or recomputes lost blocks")
-    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (64 KiB each by default)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (P and D must agree)")
-    p.add_argument("--max-prefill-chunk", type=int, default=256,
+    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks, help="KV blocks in the pool (64 KiB each by default)")
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block (P and D must agree)")
+    p.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk,
                    help="chunked prefill: most prompt tokens one request computes per step (block-aligned; 0 = no cap)")
-    p.add_argument("--progressive-push", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--progressive-push", action=argparse.BooleanOptionalAction, default=PDConfig.progressive_push,
                    help="prefill: a long prompt's KV goes to D while its prefill runs, as each step completes blocks")
-    p.add_argument("--progressive-min-tokens", type=int, default=PROGRESSIVE_MIN_TOKENS,
+    p.add_argument("--progressive-min-tokens", type=int, default=PDConfig.progressive_min_tokens,
                    help="prefill: shorter prompts are pushed once, after their prefill (docs/results.md)")
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may send as `model`, the first one reported (default: the model's own "
                         "name, and what --model was given)")
-    p.add_argument("--seed", type=int, default=0, help="tiny model: weights seed (P, D and reference must agree)")
-    p.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: HTTP port of the bootstrap server")
-    p.add_argument("--control-port", type=int, default=0,
+    p.add_argument("--seed", type=int, default=EngineConfig.seed, help="tiny model: weights seed (P, D and reference must agree)")
+    p.add_argument("--bootstrap-port", type=int, default=PDConfig.bootstrap_port, help="prefill: HTTP port of the bootstrap server")
+    p.add_argument("--control-port", type=int, default=PDConfig.control_port,
                    help="prefill: rank r's ZMQ control socket binds this + r (0: a port the kernel picks)")
-    p.add_argument("--data-port", type=int, default=0,
+    p.add_argument("--data-port", type=int, default=PDConfig.data_port,
                    help="rank r's TCP data plane binds this + r (0: a port the kernel picks)")
     p.add_argument("--advertise-host", default=None,
                    help="the address peers are told to dial (default: --host; needed when --host is 0.0.0.0 or ::)")
-    p.add_argument("--transfer", choices=["tcp", "mooncake", "nixl"], default="tcp",
+    p.add_argument("--transfer", choices=["tcp", "mooncake", "nixl"], default=PDConfig.transfer,
                    help="data-plane backend (nixl: pip install 'kvferry[nixl]'; loopback unless --insecure)")
     p.add_argument("--faults", default=os.environ.get("KVFERRY_FAULTS", ""),
                    help="fault injection, e.g. 'transport=0.1,corrupt=0.05,seed=1' (env KVFERRY_FAULTS)")
-    p.add_argument("--abort-timeout", type=float, default=30.0,
+    p.add_argument("--abort-timeout", type=float, default=PDConfig.abort_timeout_s,
                    help="prefill: how long a pull waits for an unfinished prefill, and unpulled blocks are kept (s)")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="SIGTERM or POST /drain: stop admitting, serve what is held, exit 0 within this (s; "
@@ -66,12 +65,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--drain-grace", type=float, default=0.0,
                    help="draining: /health says 503 at least this long before the port closes (s; for load "
                         "balancers that only poll /health)")
-    p.add_argument("--kv-load-deadline", type=float, default=60.0,
+    p.add_argument("--kv-load-deadline", type=float, default=PDConfig.kv_load_deadline_s,
                    help="decode: no request waits for remote KV longer than this (s)")
-    p.add_argument("--heartbeat-interval", type=float, default=0.25, help="D → P liveness ping period (s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5,
+    p.add_argument("--heartbeat-interval", type=float, default=PDConfig.heartbeat_interval_s,
+                   help="D → P liveness ping period (s)")
+    p.add_argument("--heartbeat-timeout", type=float, default=PDConfig.heartbeat_timeout_s,
                    help="P silent this long = dead on an idle box (more while P's acks come late); 0 = off")
-    p.add_argument("--heartbeat-ceiling", type=float, default=DEFAULT_CEILING_S,
+    p.add_argument("--heartbeat-ceiling", type=float, default=PDConfig.heartbeat_ceiling_s,
                    help="most a slow P is waited on, and most lease a lagging D asks for (s); "
                         "<= --heartbeat-timeout: fixed thresholds")
     p.add_argument("--no-checksums", action="store_true", help="skip per-block xxhash verification on D")
@@ -235,6 +235,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from kvferry.serving.api_server import build_app
     from kvferry.serving.drain import Drain, DrainingServer
+    from kvferry.serving.pd_protocols import EngineResolver
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not env_ok("kvferry serve") or not _check_exposure(args) or not _check_nixl(args):
@@ -313,7 +314,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         timeout = args.abort_timeout if args.drain_timeout is None else args.drain_timeout
         drain = Drain(engine.snapshot, timeout_s=timeout, grace_s=args.drain_grace)
-        app = build_app(engine, extra, names, drain, allow)
+        app = build_app(engine, extra, names, drain, EngineResolver(allow, args.bootstrap_timeout))
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         DrainingServer(server_config, drain).run()
     finally:

@@ -16,43 +16,43 @@ from typing import Any
 
 from kvferry.connector.auth import deployment_secret, prompt_digest
 from kvferry.connector.base import AdmissionError, ConnectorMetadata, RequestLike, SchedulerOutputLike
-from kvferry.connector.bootstrap import FAIL_AFTER_S, LOOPBACK, PrefillAllowList
-from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
-from kvferry.connector.decode.pulls import PullSpec
+from kvferry.connector.bootstrap import PrefillAllowList
+from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.transfer.addr import join_addr
 
-# Below this a prompt is pushed once, after its prefill, as before progressive push (docs/results.md:
-# the prompts one step computes, at the default --max-prefill-chunk, gain nothing from it).
-PROGRESSIVE_MIN_TOKENS = 512
-
 
 @dataclass(frozen=True)
 class PDConfig:
+    """The home of each P/D default: `kvferry serve`'s flags and vLLM's `KVFerrySettings` read them
+    from here, and the decode side's come from `ConsumerConfig`."""
+
     role: str  # "prefill" | "decode"
     engine_id: str
     host: str = "127.0.0.1"
-    tp_size: int = 1
+    tp_size: int = ConsumerConfig.tp_size
     # None: this process serves every rank (kvferry's engine); r: only rank r (a vLLM worker), and its
     # bootstrap registration is handed to whoever runs the bootstrap server (`PDWorker.registrations`).
     tp_rank: int | None = None
     block_size: int = 16
     bootstrap_port: int = 8998
     abort_timeout_s: float = 30.0
-    kv_load_deadline_s: float = 60.0
+    kv_load_deadline_s: float = ConsumerConfig.kv_load_deadline_s
     transfer: str = "tcp"
-    checksums: bool = True
+    checksums: bool = ConsumerConfig.checksums
     faults: FaultSpec = field(default_factory=FaultSpec)
-    heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 1.5  # 0: no heartbeats and no connection watch (timeouts only)
+    heartbeat_interval_s: float = ConsumerConfig.heartbeat_interval_s
+    # 0: no heartbeats and no connection watch (timeouts only)
+    heartbeat_timeout_s: float = ConsumerConfig.heartbeat_timeout_s
     # A slow P is waited on (and a lagging D's lease asked for) up to this; ≤ timeout: fixed thresholds.
-    heartbeat_ceiling_s: float = DEFAULT_CEILING_S
+    heartbeat_ceiling_s: float = ConsumerConfig.heartbeat_ceiling_s
     # Seals control messages and bootstrap answers, keys the data plane (docs/security.md).
     secret: bytes | None = field(default_factory=deployment_secret, repr=False, compare=False)
-    prefill_allow: tuple[str, ...] = LOOPBACK  # decode: the hosts whose bootstrap servers D may ask
-    bootstrap_timeout_s: float = FAIL_AFTER_S  # decode: a bootstrap lookup fails after this (ConsumerConfig)
+    # decode: the hosts whose bootstrap servers D may ask; a bootstrap lookup fails after the timeout
+    prefill_allow: tuple[str, ...] = ConsumerConfig.prefill_allow
+    bootstrap_timeout_s: float = ConsumerConfig.bootstrap_timeout_s
     # Fixed ports for firewalls (rank r uses base + r; 0: the kernel picks) and the host peers are told
     # to dial when it is not `host` (a 0.0.0.0 bind, NAT, a Kubernetes Service).
     control_port: int = 0
@@ -60,8 +60,10 @@ class PDConfig:
     advertise_host: str = ""
     # P: a prompt of at least this many tokens goes to D while its prefill runs, its blocks as each
     # engine step completes them (`Progress`); a shorter one, or any with it off, once its prefill ended.
+    # Below 512 tokens it gains nothing (docs/results.md: the prompts one step computes at the default
+    # --max-prefill-chunk).
     progressive_push: bool = True
-    progressive_min_tokens: int = PROGRESSIVE_MIN_TOKENS
+    progressive_min_tokens: int = 512
 
     @property
     def advertised_host(self) -> str:

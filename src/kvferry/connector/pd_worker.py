@@ -52,18 +52,12 @@ class PDWorker:
         engines = {rank: self._new_transfer_engine(rank) for rank in ranks}
         self.transfer_engines = list(engines.values())
         if self.is_decode:
+            c = self.config
             consumer_config = ConsumerConfig(
-                self.config.tp_size,
-                self.config.recv_timeout_s,
-                self.config.kv_load_deadline_s,
-                self.config.checksums,
-                self.config.faults,
-                self.config.heartbeat_interval_s,
-                self.config.heartbeat_timeout_s,
-                self.config.heartbeat_ceiling_s,
-                secret=self.config.secret,
-                prefill_allow=self.config.prefill_allow,
-                bootstrap_timeout_s=self.config.bootstrap_timeout_s,
+                tp_size=c.tp_size, recv_timeout_s=c.recv_timeout_s, kv_load_deadline_s=c.kv_load_deadline_s,
+                checksums=c.checksums, faults=c.faults, heartbeat_interval_s=c.heartbeat_interval_s,
+                heartbeat_timeout_s=c.heartbeat_timeout_s, heartbeat_ceiling_s=c.heartbeat_ceiling_s,
+                secret=c.secret, prefill_allow=c.prefill_allow, bootstrap_timeout_s=c.bootstrap_timeout_s,
             )
             bootstrap = BootstrapClient(consumer_config.bootstrap_timeout_s, self.config.secret)
             self.consumer = Consumer(layout, engines, consumer_config, self.metrics, bootstrap)

@@ -50,13 +50,16 @@ class EngineBusyError(TimeoutError):
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings (`kvferry serve` reads its defaults here); the scheduler's come from
+    `SchedulerConfig`."""
+
     num_blocks: int = 2048
-    block_size: int = 16
+    block_size: int = SchedulerConfig.block_size
     seed: int = 0
-    kv_load_failure_policy: str = "fail"
-    max_num_batched_tokens: int = 4096
-    max_prefill_chunk: int = 256
-    max_num_seqs: int = 64
+    kv_load_failure_policy: str = SchedulerConfig.kv_load_failure_policy
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_prefill_chunk: int = SchedulerConfig.max_prefill_chunk
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     role: str = "both"
     engine_id: str = "engine-0"
     model: ModelConfig | None = None

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    # As `PDConfig.block_size`, which the engine does not import (it would load the connector's servers).
     block_size: int = 16
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 64

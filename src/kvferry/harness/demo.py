@@ -34,6 +34,8 @@ from rich.console import Console
 from rich.text import Text
 
 from kvferry.connector.faults import FaultSpec
+from kvferry.connector.pd import PDConfig
+from kvferry.engine.engine import EngineConfig
 from kvferry.harness.client import run_workload
 from kvferry.harness.demo_view import plain_line, render
 from kvferry.harness.plot import write_plot
@@ -81,14 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("MIN", "MAX"),
         help="output length range (default 16 32 for a real model, which stops at EOS; 8 32 for tiny)",
     )
-    parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per instance")
+    parser.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks, help="KV blocks per instance")
     parser.add_argument("--p-tp", type=int, default=1, help="tensor-parallel ranks of P")
     parser.add_argument("--d-tp", type=int, default=1, help="tensor-parallel ranks of D")
     parser.add_argument(
-        "--abort-timeout", type=float, default=None, help="P's --abort-timeout (s; default 30 real model, 10 tiny)"
+        "--abort-timeout", type=float, default=None, help=f"P's --abort-timeout (s; default {PDConfig.abort_timeout_s:g} real model, 10 tiny)"
     )
     parser.add_argument(
-        "--kv-load-deadline", type=float, default=None, help="D's --kv-load-deadline (s; default 60 real, 20 tiny)"
+        "--kv-load-deadline", type=float, default=None, help=f"D's --kv-load-deadline (s; default {PDConfig.kv_load_deadline_s:g} real, 20 tiny)"
     )
     parser.add_argument(
         "--request-timeout",
@@ -191,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_tokens = (16, 32) if real else (8, 32)
     # A real model's prefill takes seconds on a loaded box: P must not give up on a pull that soon.
     for name, real_default, tiny_default in (
-        ("abort_timeout", 30.0, 10.0), ("kv_load_deadline", 60.0, 20.0), ("request_timeout", 300.0, 90.0)
+        ("abort_timeout", PDConfig.abort_timeout_s, 10.0), ("kv_load_deadline", PDConfig.kv_load_deadline_s, 20.0), ("request_timeout", 300.0, 90.0)
     ):
         if getattr(args, name) is None:
             setattr(args, name, real_default if real else tiny_default)

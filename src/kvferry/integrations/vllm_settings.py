@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.auth import deployment_secret, is_loopback
-from kvferry.connector.bootstrap import FAIL_AFTER_S, LOOPBACK, PrefillAllowList
-from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
+from kvferry.connector.bootstrap import PrefillAllowList
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.pd import PDConfig
 
@@ -20,6 +19,9 @@ from kvferry.connector.pd import PDConfig
 log = logging.getLogger("kvferry.integrations.vllm.settings")
 
 PREFILL, DECODE = "prefill", "decode"
+# `kv_connector_extra_config` values come from JSON: each is cast to its field's type.
+_CASTS: dict[str, Any] = {"str": str, "int": int, "float": float, "bool": bool,
+                          "tuple[str, ...]": lambda hosts: tuple(str(h) for h in hosts)}
 ROLES = {"kv_producer": (PREFILL,), "kv_consumer": (DECODE,), "kv_both": (PREFILL, DECODE)}
 
 
@@ -49,60 +51,44 @@ def is_mla(vllm_config: Any) -> bool:
 
 @dataclass(frozen=True)
 class KVFerrySettings:
-    """`kv_connector_extra_config` keys (all optional). Unknown keys are rejected, so a typo fails fast."""
+    """`kv_connector_extra_config` keys (all optional). Unknown keys are rejected, so a typo fails fast.
+    The defaults are `PDConfig`'s, read by field."""
 
     engine_id: str  # default: vLLM's kv_transfer_config.engine_id
-    host: str = "127.0.0.1"  # address P's bootstrap/control/transfer endpoints bind and advertise
-    bootstrap_port: int = 8998
-    abort_timeout_s: float = 30.0  # P frees blocks nobody pulled after this (lease)
-    kv_load_deadline_s: float = 60.0  # D gives up on a pull after this (failure cause "deadline")
-    transfer: str = "tcp"  # "tcp" (built in), "mooncake" or "nixl" (loopback unless insecure)
-    checksums: bool = True
+    host: str = PDConfig.host  # address P's bootstrap/control/transfer endpoints bind and advertise; env KVFERRY_HOST
+    bootstrap_port: int = PDConfig.bootstrap_port
+    abort_timeout_s: float = PDConfig.abort_timeout_s  # P frees blocks nobody pulled after this (lease)
+    kv_load_deadline_s: float = PDConfig.kv_load_deadline_s  # D gives up on a pull after this (cause "deadline")
+    transfer: str = PDConfig.transfer  # "tcp" (built in), "mooncake" or "nixl" (loopback unless insecure)
+    checksums: bool = PDConfig.checksums
     faults: str = ""  # fault injection spec (tests, chaos); default: env KVFERRY_FAULTS
     # D: heartbeat period (P's lease on a pulled transfer is 7 periods) and how long P may stay silent
-    heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 1.5
-    heartbeat_ceiling_s: float = DEFAULT_CEILING_S  # most a slow P is waited on (liveness adapts up to it)
+    heartbeat_interval_s: float = PDConfig.heartbeat_interval_s
+    heartbeat_timeout_s: float = PDConfig.heartbeat_timeout_s
+    heartbeat_ceiling_s: float = PDConfig.heartbeat_ceiling_s  # most a slow P is waited on (liveness adapts up to it)
     # Copy KV through a host mirror: "auto" when the KV cache is not in host memory (a GPU), "always"
     # (host memory too: tests), "never" (a KV cache on a device is refused)
     staging: str = "auto"
-    prefill_allow: tuple[str, ...] = LOOPBACK  # D: the hosts whose bootstrap servers it may pull from
-    bootstrap_timeout_s: float = FAIL_AFTER_S  # D: a bootstrap lookup fails after this (a refused one too)
+    prefill_allow: tuple[str, ...] = PDConfig.prefill_allow  # D: the hosts whose bootstrap servers it may pull from
+    bootstrap_timeout_s: float = PDConfig.bootstrap_timeout_s  # D: a bootstrap lookup fails after this (a refused one too)
     insecure: bool = False  # a non-loopback host without KVFERRY_SECRET (as `kvferry serve --insecure`)
-    control_port: int = 0  # P: the ZMQ control socket's fixed port (0: the kernel picks)
-    data_port: int = 0  # the TCP data plane's fixed port (0: the kernel picks)
-    advertise_host: str = ""  # the address peers dial (default: host; required when host is 0.0.0.0)
+    control_port: int = PDConfig.control_port  # P: the ZMQ control socket's fixed port (0: the kernel picks)
+    data_port: int = PDConfig.data_port  # the TCP data plane's fixed port (0: the kernel picks)
+    advertise_host: str = PDConfig.advertise_host  # the address peers dial (default: host; required when host is 0.0.0.0)
 
-    KEYS = ("engine_id", "host", "bootstrap_port", "abort_timeout_s", "kv_load_deadline_s", "transfer",
-            "checksums", "faults", "heartbeat_interval_s", "heartbeat_timeout_s", "heartbeat_ceiling_s", "staging", "prefill_allow",
-            "bootstrap_timeout_s", "insecure", "control_port", "data_port", "advertise_host")
     STAGING = {"auto": None, "always": True, "never": False}
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], default_engine_id: str) -> KVFerrySettings:
-        unknown = sorted(set(extra) - set(cls.KEYS))
+        keys = tuple(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(extra) - set(keys))
         if unknown:
-            raise ValueError(f"unknown kvferry setting(s) {unknown} in kv_connector_extra_config; known: {cls.KEYS}")
-        settings = cls(
-            engine_id=str(extra.get("engine_id") or default_engine_id),
-            host=str(extra.get("host", os.environ.get("KVFERRY_HOST", "127.0.0.1"))),
-            bootstrap_port=int(extra.get("bootstrap_port", 8998)),
-            abort_timeout_s=float(extra.get("abort_timeout_s", 30.0)),
-            kv_load_deadline_s=float(extra.get("kv_load_deadline_s", 60.0)),
-            transfer=str(extra.get("transfer", "tcp")),
-            checksums=bool(extra.get("checksums", True)),
-            faults=str(extra.get("faults", os.environ.get("KVFERRY_FAULTS", ""))),
-            heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 0.25)),
-            heartbeat_timeout_s=float(extra.get("heartbeat_timeout_s", 1.5)),
-            heartbeat_ceiling_s=float(extra.get("heartbeat_ceiling_s", DEFAULT_CEILING_S)),
-            staging=str(extra.get("staging", "auto")),
-            prefill_allow=tuple(str(h) for h in extra.get("prefill_allow", LOOPBACK)),
-            bootstrap_timeout_s=float(extra.get("bootstrap_timeout_s", FAIL_AFTER_S)),
-            insecure=bool(extra.get("insecure", False)),
-            control_port=int(extra.get("control_port", 0)),
-            data_port=int(extra.get("data_port", 0)),
-            advertise_host=str(extra.get("advertise_host", "")),
-        )
+            raise ValueError(f"unknown kvferry setting(s) {unknown} in kv_connector_extra_config; known: {keys}")
+        # Each key given is cast to its field's type; a key not given keeps the field's default.
+        given = {**extra, "engine_id": extra.get("engine_id") or default_engine_id}
+        given.setdefault("host", os.environ.get("KVFERRY_HOST", cls.host))
+        given.setdefault("faults", os.environ.get("KVFERRY_FAULTS", cls.faults))
+        settings = cls(**{f.name: _CASTS[str(f.type)](given[f.name]) for f in dataclasses.fields(cls) if f.name in given})
         if settings.host in ("0.0.0.0", "::") and not settings.advertise_host:
             raise ValueError(f"host {settings.host} binds every interface: set advertise_host to the address peers dial")
         PrefillAllowList(settings.prefill_allow)  # raises on a bad entry

@@ -50,6 +50,7 @@ from kvferry.connector.auth import (
 )
 from kvferry.connector.bootstrap import BootstrapError
 from kvferry.connector.decode.liveness import DelayEstimator
+from kvferry.connector.decode.pulls import ConsumerConfig
 from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,
@@ -93,7 +94,8 @@ class Dealer:
         self.addr = addr
         self.receiver = receiver
         # How long an unanswered heartbeat may stay so, learnt from P's ack round trips.
-        self.silence = silence if silence is not None else DelayEstimator(1.5, 1.5)
+        floor = ConsumerConfig.heartbeat_timeout_s
+        self.silence = silence if silence is not None else DelayEstimator(floor, floor)
         self.on_dead = on_dead
         self.on_rtt = on_rtt
         self.on_forged = on_forged

@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 from collections import deque
 
-# Most seconds a silent P is waited on, or a lease D asks for, however slow the peer was before.
-DEFAULT_CEILING_S = 10.0
 # Threshold = MARGIN × the QUANTILE of the last WINDOW samples: slack for a delay somewhat worse than
 # any seen recently (a starved process's delays come in bursts that grow, not as one lone spike).
 MARGIN = 4.0

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvferry.connector.bootstrap import FAIL_AFTER_S, LOOPBACK
-from kvferry.connector.decode.liveness import DEFAULT_CEILING_S
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.messages import FirstToken, PullResponse
 from kvferry.transfer.base import ByteRange
@@ -33,8 +32,11 @@ class PullSpec:
 
 @dataclass(frozen=True)
 class ConsumerConfig:
+    """D's settings, and the home of each decode-side default: `PDConfig`, `kvferry serve`'s flags and
+    vLLM's `KVFerrySettings` read them from here."""
+
     tp_size: int = 1
-    recv_timeout_s: float = 35.0
+    recv_timeout_s: float = 35.0  # PDConfig sets P's abort timeout + 5 s, so P's own "not ready" arrives first
     kv_load_deadline_s: float = 60.0
     checksums: bool = True
     faults: FaultSpec = field(default_factory=FaultSpec)
@@ -44,7 +46,7 @@ class ConsumerConfig:
     # as in vLLM's connectors. The ceiling also caps the lease D asks for.
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5
-    heartbeat_ceiling_s: float = DEFAULT_CEILING_S
+    heartbeat_ceiling_s: float = 10.0
     # A DEALER no pull uses is closed after this (at once when its connection is gone), so D holds
     # sockets only for live P ranks however often P restarts on new ports.
     dealer_idle_s: float = 10.0
