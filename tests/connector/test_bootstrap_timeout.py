@@ -111,3 +111,46 @@ def test_the_bound_is_checked_and_reaches_the_vllm_connector(capsys: pytest.Capt
     assert KVFerrySettings.from_extra_config({}, "e").pd_config("decode", 16).bootstrap_timeout_s == FAIL_AFTER_S
     with pytest.raises(ValueError, match="bootstrap_timeout_s"):
         KVFerrySettings.from_extra_config({"bootstrap_timeout_s": 0}, "e")
+
+
+@contextmanager
+def slow_sglang_bootstrap(delay_s: float) -> Iterator[tuple[str, int]]:
+    """sglang's bootstrap server (`GET /query`: the engines by rank) answering after `delay_s`."""
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            time.sleep(delay_s)
+            body = json.dumps({"0": {"engine_id": ENGINE}}).encode()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield "127.0.0.1", server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_bootstrap_bound_holds_for_sglangs_fields_too() -> None:
+    """sglang's router names P's bootstrap server and a room, not P's engine: D asks the server which engine
+    serves the room, within the same `--bootstrap-timeout`."""
+    d = serve(None, "--role", "decode", "--num-blocks", "256", "--bootstrap-timeout", "0.5")
+    with running(d), slow_sglang_bootstrap(1.2) as (host, port):
+        started = time.monotonic()
+        r = httpx.post(f"{d.url}/v1/completions", timeout=60, json={
+            "prompt": "the bootstrap bound is a setting", "max_tokens": 2, "temperature": 0,
+            "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": 7})
+        took = time.monotonic() - started
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["code"] == "bootstrap" and r.json()["error"]["message"] == REFUSED
+        assert 0.45 <= took < 1.1, took

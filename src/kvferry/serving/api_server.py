@@ -71,12 +71,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
               served_model_names: Sequence[str] = (), drain: Drain | None = None,
-              prefill_allow: PrefillAllowList | None = None) -> FastAPI:
+              resolver: EngineResolver | None = None) -> FastAPI:
     """`served_model_names`: the names clients may send as `model` (as vLLM's `--served-model-name`);
     the first is the one this instance reports. Default: the model's own name. `drain`: what SIGTERM and
     `POST /drain` start (`kvferry serve` hands the one its server exits by; without it, a drain only stops
-    admitting). `prefill_allow`: D's `--prefill-allow` (default loopback), which sglang's bootstrap
-    fields must pass before D asks that address anything."""
+    admitting). `resolver`: how D finds P's engine from sglang's bootstrap fields (`kvferry serve` hands one
+    with D's `--prefill-allow` and `--bootstrap-timeout`; default: loopback only, the default bound)."""
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
     names = list(dict.fromkeys(served_model_names)) or [engine.loaded.name]
@@ -123,7 +123,7 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
         extra = {"fatal_error": repr(engine.fatal_error)} if engine.fatal_error is not None else {}
         return JSONResponse({**published, **extra, "stale": True, "age_s": round(age, 3)})
 
-    resolver = EngineResolver(prefill_allow or PrefillAllowList())
+    resolver = resolver or EngineResolver(PrefillAllowList())
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

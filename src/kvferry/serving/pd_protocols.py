@@ -134,7 +134,8 @@ class EngineResolver:
     async def engine_for(self, bootstrap_addr: str, room: int) -> str:
         """Raises BootstrapError (with the secret's rule: `REFUSED` unless this server answered before)."""
         engines = await refused_alike(
-            self._allow, bootstrap_addr, lambda: self._engines(bootstrap_addr), self._cache.__contains__
+            self._allow, bootstrap_addr, lambda: self._engines(bootstrap_addr), self._cache.__contains__,
+            self._timeout_s,
         )
         return engines[room % len(engines)]
 
