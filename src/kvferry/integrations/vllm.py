@@ -167,6 +167,10 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler().update_connector_output(connector_output)
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler().quarantine.bind(kv_cache_manager)  # vllm_quarantine.py
+
     def get_kv_connector_stats(self) -> KVFerryStats | None:
         """Failures since the last call (scheduler side; the worker's connector has none)."""
         if self.connector_scheduler is None:

@@ -4,6 +4,7 @@ each worker's bootstrap entries (vLLM's KV connector handshake metadata)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,12 +35,18 @@ class KVFerryConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker → scheduler, once per step: why loads failed (request id → (cause, message))."""
+    """Worker → scheduler, once per step: why loads failed (request id → (cause, message)), and per
+    request how many ranks quarantined its blocks or released them (vllm_quarantine.py)."""
 
     causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    quarantined: dict[str, int] = field(default_factory=dict)
+    released: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         causes = dict(self.causes)
+        quarantined, released = Counter(self.quarantined), Counter(self.released)
         if isinstance(other, KVFerryWorkerMetadata):
             causes.update(other.causes)
-        return KVFerryWorkerMetadata(causes)
+            quarantined.update(other.quarantined)  # the ranks' counts add up
+            released.update(other.released)
+        return KVFerryWorkerMetadata(causes, dict(quarantined), dict(released))

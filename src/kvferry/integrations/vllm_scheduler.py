@@ -33,6 +33,7 @@ from kvferry.integrations.vllm_metadata import (
     KVFerryWorkerMetadata,
 )
 from kvferry.integrations.vllm_metrics import KVFerryStats
+from kvferry.integrations.vllm_quarantine import BlockQuarantine
 from kvferry.integrations.vllm_settings import DECODE, PREFILL
 
 log = logging.getLogger("kvferry.integrations.vllm.scheduler")
@@ -99,6 +100,8 @@ class KVFerryScheduler:
         self.queued: OrderedDict[str, None] = OrderedDict()
         self._warned_local = False
         self.bootstrap_server: BootstrapServer | None = None
+        # D: blocks a posted read may still write stay out of vLLM's pool (vllm_quarantine.py)
+        self.quarantine = BlockQuarantine()
 
     # ---- once at start ------------------------------------------------------------------------------
     def set_handshake(self, metadata: dict[int, Any]) -> None:
@@ -191,6 +194,8 @@ class KVFerryScheduler:
             decode.scheduler.pull(view, ids, first)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFerryConnectorMetadata:
+        if self._step == 0 and DECODE in self.pd:
+            self.quarantine.check_bound()  # before the first pull: a D that cannot quarantine is refused
         self._step += 1
         step = _StepView(self._step, set(scheduler_output.finished_req_ids))
         by_role = {}
@@ -241,6 +246,8 @@ class KVFerryScheduler:
             prefill.transfers_ended(set(sent))  # their transfer_ids are free for another request again
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVFerryWorkerMetadata):
+            # Before vLLM frees the blocks of the loads that ended (it calls this first).
+            self.quarantine.update(meta.quarantined, meta.released, set(connector_output.finished_recving or ()))
             for request_id, (cause, message) in meta.causes.items():
                 _remember(self.failure_causes, request_id, (cause, message))
                 self._failures.add(cause)

@@ -27,7 +27,8 @@ from kvferry.integrations.vllm_metadata import (
     KVFerryHandshake,
     KVFerryWorkerMetadata,
 )
-from kvferry.integrations.vllm_settings import PREFILL, KVFerrySettings
+from kvferry.integrations.vllm_quarantine import WorkerQuarantine
+from kvferry.integrations.vllm_settings import DECODE, PREFILL, KVFerrySettings
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +59,8 @@ class KVFerryWorker:
         self._expect_recv: set[str] = set()
         self._causes: dict[str, tuple[str, str]] = {}
         self._pulled: dict[str, set[int]] = {}  # per request: the blocks its pull fills (failures per request)
+        # D: failed loads whose blocks a posted read may still write (vllm_quarantine.py)
+        self.quarantine = WorkerQuarantine(pd.get(DECODE))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            groups: KVGroups | None = None) -> None:
@@ -90,8 +93,11 @@ class KVFerryWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
         recving: set[str] = set()
-        for pd in self.pd.values():
+        for role, pd in self.pd.items():
             s, r = pd.get_finished(finished_req_ids)
+            if role == DECODE:  # D sends nothing: its "sending" are quarantined blocks whose reads ended
+                self.quarantine.drained(s)
+                s = set()
             sending |= s
             recving |= r
             self._causes.update(pd.get_failure_causes())
@@ -108,10 +114,10 @@ class KVFerryWorker:
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done = self.get_finished(finished_req_ids)
         sending, recving = set(done[0] or ()), set(done[1] or ())
-        failed: set[str] = set()
+        failed = self.quarantine.failed(recving)  # never block ids: vLLM would compute into them
         if self.per_request_failures:
             invalid = self._load_errors()  # drained with the requests they belong to (one outbox drain)
-            failed = {r for r in recving if self._pulled.get(r, set()) & invalid}
+            failed |= {r for r in recving if self._pulled.get(r, set()) & invalid}
             for r in recving:
                 self._pulled.pop(r, None)
         return KVConnectorTransferResults(sending, recving, failed)
@@ -126,10 +132,11 @@ class KVFerryWorker:
         return invalid
 
     def build_connector_worker_meta(self) -> KVFerryWorkerMetadata | None:
-        if not self._causes:
+        quarantined, released = self.quarantine.take()
+        if not self._causes and not quarantined and not released:
             return None
         causes, self._causes = self._causes, {}
-        return KVFerryWorkerMetadata(causes)
+        return KVFerryWorkerMetadata(causes, quarantined, released)
 
 
 def _once(ids: set[str], expected: set[str], direction: str) -> set[str]:
