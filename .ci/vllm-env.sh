@@ -82,4 +82,16 @@ if [ "$status" != 0 ]; then
     echo "vllm env: $VENV does not import vLLM's scheduler and this checkout's kvferry.integrations.vllm" >&2
     exit 1
 fi
+# The NIXL data plane (`"transfer": "nixl"`, tests/vllm/test_vllm_nixl_frozen_p.py): an add-on with its
+# own stamp, so adding it never rebuilds the env. Both without their dependencies: the NIXL agent and UCX
+# need only numpy (UCX moves host memory over cma/tcp; no CUDA library loads without a GPU), and nixl-cu12's
+# torch requirement would pull a CUDA torch.
+NIXL="nixl-cu12==1.5.1 nixl==1.5.1"
+if [ "$(cat "$VENV/.kvferry-vllm-nixl" 2>/dev/null)" != "$NIXL" ] \
+    || ! "$VENV/bin/python" -c 'import nixl._api' >>"$VENV/check.log" 2>&1; then
+    pip_install --no-deps $NIXL
+    "$VENV/bin/python" -c 'import nixl._api' >>"$VENV/check.log" 2>&1 \
+        || { tail -20 "$VENV/check.log" >&2; echo "vllm env: nixl does not import" >&2; exit 1; }
+    echo "$NIXL" >"$VENV/.kvferry-vllm-nixl"
+fi
 echo "$VENV"
