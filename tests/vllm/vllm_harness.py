@@ -5,7 +5,7 @@ engine without a model: a real `Scheduler` (whose scheduler-side connector vLLM 
 `kv_connector_module_path`), a worker-side `KVFerryConnector` on CPU KV tensors allocated by vLLM's own
 `allocate_kv_cache`, and a fake forward pass that writes each scheduled token's KV as a pure function of
 the token prefix (so recomputation reproduces the same bytes) and samples a deterministic token.
-`step()` drives the connector exactly as vLLM's model runner does (bind metadata, start_load_kv,
+`step()` drives the connector exactly as vLLM's model runner does (handle_preemptions, bind metadata, start_load_kv,
 wait_for_save, get_transfer_results, get_block_ids_with_load_errors, build_connector_worker_meta).
 
 With `tp_size` N the instance has N workers, each with its own connector and KV tensors holding its
@@ -207,7 +207,9 @@ class Instance:
         outputs: list[ModelRunnerOutput | None] = []
         for rank, worker in enumerate(self.workers):
             # Crosses a process boundary in a real server: it must survive pickling.
-            worker.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
+            meta = pickle.loads(pickle.dumps(so.kv_connector_metadata))
+            worker.handle_preemptions(meta)  # vLLM's model runner: before the forward that reuses their blocks
+            worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             self._forward(so.num_scheduled_tokens, rank)
             worker.wait_for_save()

@@ -197,10 +197,13 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return  # loads are asynchronous, between steps
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # P serves pulls from its blocks after the request finished; nothing to save per layer
+        return  # P's writes read whole blocks after the step (vllm_progress.py); nothing to save per layer
 
     def wait_for_save(self) -> None:
-        return
+        self._worker().wait_for_save()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self._worker().handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker().get_finished(finished_req_ids)

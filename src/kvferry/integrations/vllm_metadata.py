@@ -31,6 +31,8 @@ class KVFerryConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Scheduler → worker, once per step: kvferry's `PDMetadata` per role."""
 
     by_role: dict[str, PDMetadata] = field(default_factory=dict)
+    # P: (transfer id, request id) of requests vLLM preempted mid-prefill while pushing progressively
+    preempted: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass

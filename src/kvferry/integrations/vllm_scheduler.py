@@ -33,6 +33,7 @@ from kvferry.integrations.vllm_metadata import (
     KVFerryWorkerMetadata,
 )
 from kvferry.integrations.vllm_metrics import KVFerryStats
+from kvferry.integrations.vllm_progress import ProgressTracker
 from kvferry.integrations.vllm_quarantine import BlockQuarantine
 from kvferry.integrations.vllm_settings import DECODE, PREFILL
 
@@ -102,6 +103,8 @@ class KVFerryScheduler:
         self.bootstrap_server: BootstrapServer | None = None
         # D: blocks a posted read may still write stay out of vLLM's pool (vllm_quarantine.py)
         self.quarantine = BlockQuarantine()
+        # P: long prompts go to D while vLLM's chunked prefill computes them (vllm_progress.py)
+        self.progress = ProgressTracker(pd[PREFILL], groups, self._view) if PREFILL in pd else None
 
     # ---- once at start ------------------------------------------------------------------------------
     def set_handshake(self, metadata: dict[int, Any]) -> None:
@@ -157,6 +160,8 @@ class KVFerryScheduler:
         view = self._view(request)
         if (view.kv_transfer_params or {}).get("do_remote_decode"):
             prefill.on_request_added(view)
+            if self.progress is not None:
+                self.progress.add(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         # The first time vLLM looks at a waiting request: where `on_new_request` does not exist (older vLLM),
@@ -198,6 +203,8 @@ class KVFerryScheduler:
             self.quarantine.check_bound()  # before the first pull: a D that cannot quarantine is refused
         self._step += 1
         step = _StepView(self._step, set(scheduler_output.finished_req_ids))
+        # Before the roles' metadata is built, so it carries the progress this step reaches.
+        preempted = [] if self.progress is None else self.progress.step(scheduler_output)
         by_role = {}
         for r, pd in self.pd.items():
             meta = pd.build_connector_meta(step)
@@ -207,10 +214,12 @@ class KVFerryScheduler:
             # hear of it and keep the blocks until its lease expires. The release IS the abort.
             meta.finished_req_ids -= {p.request_id for p in meta.to_pull if not p.block_ids}
             by_role[r] = meta
-        return KVFerryConnectorMetadata(by_role)
+        return KVFerryConnectorMetadata(by_role, preempted)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.queued.pop(request.request_id, None)  # vLLM calls this once per request: nothing left to report
+        if self.progress is not None:
+            self.progress.finished(request.request_id)
         view = self._view(request)
         params = view.kv_transfer_params or {}
         if params.get("do_remote_decode") and PREFILL in self.pd:

@@ -75,6 +75,9 @@ class KVFerrySettings:
     control_port: int = PDConfig.control_port  # P: the ZMQ control socket's fixed port (0: the kernel picks)
     data_port: int = PDConfig.data_port  # the TCP data plane's fixed port (0: the kernel picks)
     advertise_host: str = PDConfig.advertise_host  # the address peers dial (default: host; required when host is 0.0.0.0)
+    # P: a prompt of at least progressive_min_tokens goes to D while vLLM's chunked prefill computes it
+    progressive_push: bool = PDConfig.progressive_push
+    progressive_min_tokens: int = PDConfig.progressive_min_tokens
 
     STAGING = {"auto": None, "always": True, "never": False}
 
@@ -144,6 +147,8 @@ class KVFerrySettings:
             control_port=self.control_port,
             data_port=self.data_port,
             advertise_host=self.advertise_host,
+            progressive_push=self.progressive_push,
+            progressive_min_tokens=self.progressive_min_tokens,
         )
 
 

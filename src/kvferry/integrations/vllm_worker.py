@@ -27,6 +27,7 @@ from kvferry.integrations.vllm_metadata import (
     KVFerryHandshake,
     KVFerryWorkerMetadata,
 )
+from kvferry.integrations.vllm_progress import ProgressGate
 from kvferry.integrations.vllm_quarantine import WorkerQuarantine
 from kvferry.integrations.vllm_settings import DECODE, PREFILL, KVFerrySettings
 
@@ -61,9 +62,13 @@ class KVFerryWorker:
         self._pulled: dict[str, set[int]] = {}  # per request: the blocks its pull fills (failures per request)
         # D: failed loads whose blocks a posted read may still write (vllm_quarantine.py)
         self.quarantine = WorkerQuarantine(pd.get(DECODE))
+        self._device: Any = None  # the KV cache's device
+        # P: a step's progressive push waits for its forward (vllm_progress.py)
+        self.gate = ProgressGate(pd[PREFILL], lambda: self._device) if PREFILL in pd else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            groups: KVGroups | None = None) -> None:
+        self._device = getattr(next(iter(kv_caches.values()), None), "device", None)
         self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging],
                                    self.tp_rank, self.tp_size, replicated=self.mla, groups=groups)
         # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
@@ -84,11 +89,23 @@ class KVFerryWorker:
         for r, pd_meta in meta.by_role.items():
             if r == PREFILL:
                 self._expect_send.update(s.request_id for s in pd_meta.to_send)
+                if self.gate is not None:
+                    pd_meta = self.gate.hold(pd_meta)
             else:
                 self._expect_recv.update(p.request_id for p in pd_meta.to_pull if p.block_ids)
                 if self.per_request_failures:
                     self._pulled.update((p.request_id, set(p.block_ids)) for p in pd_meta.to_pull if p.block_ids)
             self.pd[r].start_load_kv(pd_meta)
+
+    def wait_for_save(self) -> None:
+        """After the step's forward: the blocks it completed may go to D now."""
+        if self.gate is not None:
+            self.gate.forward_ended()
+
+    def handle_preemptions(self, meta: Any) -> None:
+        """Before the forward that may reuse a preempted request's blocks: no write reads them after."""
+        if self.gate is not None and isinstance(meta, KVFerryConnectorMetadata):
+            self.gate.preempted(meta.preempted)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
@@ -46,6 +47,7 @@ class TransferTable:
         self.metrics = metrics
         self._pairs = pairs  # D tp size → the (P rank, D rank) pairs a transfer must serve
         self.lock = threading.Lock()
+        self._written = threading.Condition(self.lock)  # notified whenever a write returns
         self._transfers: dict[str, Transfer] = {}
         self._recent: OrderedDict[str, str] = OrderedDict()  # ended transfer id → why
         self._answers: OrderedDict[AnswerKey, PullResponse] = OrderedDict()  # an LRU of MAX_ANSWERS
@@ -135,6 +137,24 @@ class TransferTable:
             t.owner, t.num_tokens, t.prompt_digest, t.working = request_id, num_tokens, prompt_digest, True
             if len(block_ids) > len(t.progress):
                 t.progress = list(block_ids)
+
+    def rewind(self, transfer_id: str, request_id: str, timeout_s: float) -> list[Write]:
+        """The running prefill lost its blocks (the engine preempted it and frees them): no part starts
+        from them any more, and this returns once no write reads them. After `timeout_s` the transfer is
+        doomed and the writes still in flight are returned, to be cancelled."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.owner != request_id or t.ready:
+                return []
+            t.progress = []
+            while t.writes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.doom(t, "preempted")
+                    return list(t.writes)
+                self._written.wait(left)
+            return []
 
     def add_ready(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, now: float,
                   prompt_digest: str = "", first_token: FirstToken | None = None) -> None:
@@ -321,6 +341,7 @@ class TransferTable:
             if answer is not None:
                 remember(self._answers, (w.transfer_id, w.p_rank, w.d_rank, w.token), answer, MAX_ANSWERS)
             t.writes.discard(w)
+            self._written.notify_all()
             if failed:
                 self.doom(t, "failed")  # D fails the request; nobody will pull this transfer again
                 return

@@ -1,0 +1,135 @@
+"""Progressive push in vLLM: P writes a long prompt's blocks to D while vLLM's chunked prefill computes
+them (the harness's max_num_batched_tokens of 256 cuts a 600-token prompt into 3 steps), and D's pull,
+sent when the proxy sent P the request, is served part by part. Real `Scheduler`s and kvferry's real
+data and control planes, as in test_vllm_connector.py.
+
+Each test holds what the push must never cost: D's answer equals the colocated one, a preempted prefill
+(vLLM frees and reuses its blocks) never has a write read them afterwards, a P killed mid-prefill ends
+D's request with a typed cause (or a recomputation under `recompute`), and both pools end full.
+
+Runs in the optional environment (`bash .ci/vllm-env.sh`); skips where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from test_vllm_connector import HAVE_VLLM
+
+if not HAVE_VLLM:  # the harness imports vLLM: skip before importing it
+    pytest.skip("vLLM is not installed (see .ci/vllm-env.sh)", allow_module_level=True)
+
+from test_vllm_connector import PD, decode_to_end, make_pd, model_dir
+from test_vllm_prefix_hit import LAYER_BLOCK, bytes_received, reference
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import Request
+from vllm_harness import BLOCK_SIZE, LAYER_NAMES
+
+__all__ = ["make_pd", "model_dir"]  # fixtures
+
+LONG = [(17 * i + 29) % 50000 + 3 for i in range(600)]  # 38 blocks: 3 steps of P's chunked prefill
+BLOCK_BYTES = len(LAYER_NAMES) * LAYER_BLOCK  # one block, every layer
+
+
+def progressive_writes(pd: PD) -> float:
+    return float(pd.p.worker.pd["prefill"].metrics.progressive_writes._value.get())
+
+
+def start(pd: PD, prompt: list[int], max_tokens: int = 5) -> tuple[Request, Request]:
+    """What kvferry's proxy does: the request to P and D at once, under one transfer id."""
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    p_req = pd.p.add(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id})
+    d_req = pd.d.add(prompt, max_tokens, pd.d_params(transfer_id))
+    return p_req, d_req
+
+
+def first_part_landed(pd: PD, p_req: Request) -> None:
+    """P computes its first chunk; D's pull reaches P while the prefill runs and the chunk's blocks land
+    on D before P computes another token."""
+    pd.p.step()
+    computed = p_req.num_computed_tokens
+    assert BLOCK_SIZE <= computed < len(LONG), computed
+    pd.d.run_until(lambda: bytes_received(pd) >= BLOCK_BYTES * (computed // BLOCK_SIZE), what="the first part")
+    assert p_req.num_computed_tokens == computed and not pd.p.sent  # P's prefill has not gone on
+    assert progressive_writes(pd) >= 1
+
+
+def test_long_prompt_goes_to_d_while_p_prefills(make_pd: Any) -> None:
+    pd: PD = make_pd()
+    p_req, d_req = start(pd, LONG)
+    first_part_landed(pd, p_req)
+    out = decode_to_end(pd, d_req.request_id)
+    assert out.finish_reason == FinishReason.LENGTH and pd.d.tokens(d_req.request_id) == reference(LONG, 5)
+    assert not pd.d.invalid and d_req.request_id not in pd.d.connector.failure_causes
+    assert pd.p.sent == [p_req.request_id]
+    # Every block crossed once: the final write sent only what the parts had not.
+    assert bytes_received(pd) == BLOCK_BYTES * -(-len(LONG) // BLOCK_SIZE)
+    pd.assert_empty()
+
+
+def test_short_prompt_is_pushed_after_its_prefill(make_pd: Any) -> None:
+    pd: PD = make_pd()
+    prompt = LONG[:200]  # one step, and under the minimum size at which pushing early pays
+    _, d_req = start(pd, prompt)
+    out = decode_to_end(pd, d_req.request_id)
+    assert out.finish_reason == FinishReason.LENGTH and pd.d.tokens(d_req.request_id) == reference(prompt, 5)
+    assert progressive_writes(pd) == 0
+    pd.assert_empty()
+
+
+def test_preempted_prefill_is_never_read_after_its_blocks_are_freed(make_pd: Any) -> None:
+    """P's pool cannot hold the long prompt beside a decoding request: vLLM preempts the prefill after
+    its second chunk and frees its blocks while a part (slowed to 1 s) still reads them. vLLM's
+    `handle_preemptions` waits for that write before the next forward may reuse the blocks; once the
+    other request is done, the prefill resumes and the rest goes to D. D's answer is the colocated one."""
+    pd: PD = make_pd(faults="slow=1000", num_blocks=40)
+    pd.p.scheduler.scheduler_reserve_full_isl = False  # admit on the first chunk's blocks, as vLLM may be told
+    table = pd.p.worker.pd["prefill"].producer.table
+    rewinds: list[tuple[int, int]] = []  # writes in flight when the preemption came, and after it
+    rewind = table.rewind
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        before = table.writes_in_flight()
+        left = rewind(*args, **kw)
+        rewinds.append((before, table.writes_in_flight()))
+        return left
+
+    table.rewind = spy
+    other = pd.p.add([5 + i % 7 for i in range(5 * BLOCK_SIZE)], 60, None)  # decoding beside the prefill
+    p_req, d_req = start(pd, LONG)
+    first_part_landed(pd, p_req)
+    pd.p.step()  # the second chunk: its blocks go to D in a part that takes 1 s
+    pd.d.run_until(lambda: table.writes_in_flight() > 0, what="a part in flight")
+    pd.p.step()  # the third chunk does not fit: vLLM preempts the prefill and frees its blocks
+    assert p_req.num_preemptions == 1 and p_req.num_computed_tokens == 0
+    assert rewinds == [(1, 0)], rewinds  # a write read the blocks; none did once the next forward could run
+    out = decode_to_end(pd, d_req.request_id)
+    assert d_req.request_id not in pd.d.connector.failure_causes, pd.d.connector.failure_causes
+    assert out.finish_reason == FinishReason.LENGTH and pd.d.tokens(d_req.request_id) == reference(LONG, 5)
+    assert not pd.d.invalid
+    assert pd.p.sent == [p_req.request_id] and pd.p.finished(other.request_id) is not None
+    pd.assert_empty()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_p_killed_mid_prefill_after_parts_landed(make_pd: Any, policy: str) -> None:
+    """Blocks already on D count only with P's checksums, which come with P's answer: P dies before it,
+    so `fail` ends the request with `peer_dead`, and `recompute` computes the unverified blocks again
+    (all of them: none was verified) and answers as colocated."""
+    pd: PD = make_pd(policy=policy)
+    p_req, d_req = start(pd, LONG)
+    first_part_landed(pd, p_req)
+    pd.kill_p()
+    out = decode_to_end(pd, d_req.request_id)
+    cause = pd.d.connector.failure_causes[d_req.request_id][0]
+    assert cause == "peer_dead", pd.d.connector.failure_causes
+    if policy == "fail":
+        assert out.finish_reason == FinishReason.ERROR
+    else:
+        assert out.finish_reason == FinishReason.LENGTH and pd.d.tokens(d_req.request_id) == reference(LONG, 5)
+        assert len(pd.d.invalid) == -(-len(LONG) // BLOCK_SIZE)  # none verified: every block recomputed
+        stats = pd.d.outputs[d_req.request_id][0].prefill_stats
+        assert stats is not None and stats.num_computed_tokens == len(LONG)
+    pd.assert_empty()  # D only: P's blocks went with its process
