@@ -143,13 +143,13 @@ def test_no_issue_numbers_or_dates_in_src() -> None:
 
 
 # Each setting's default has one home, the config record of the lowest layer that owns it (`ConsumerConfig`,
-# `PDConfig`, `SchedulerConfig`, `EngineConfig`); CLI flags, vLLM's settings and the harness read it by
+# `PDConfig`, `SchedulerConfig`, `EngineConfig`, `ProxyConfig`); CLI flags, vLLM's settings and the harness read it by
 # field. A literal default is a record field, an argparse `default=` or a `.get(key, default)`.
 SETTINGS = {"abort_timeout_s", "kv_load_deadline_s", "recv_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
             "heartbeat_ceiling_s", "bootstrap_port", "bootstrap_timeout_s", "block_size", "progressive_push",
             "progressive_min_tokens", "num_blocks", "max_prefill_chunk", "max_num_seqs", "max_num_batched_tokens",
             "kv_load_failure_policy", "checksums", "control_port", "data_port", "advertise_host", "dealer_idle_s",
-            "tp_size"}
+            "tp_size", "retries", "retry_unreachable", "health_interval_s"}
 # The engine does not import `PDConfig` (it would load the connector's servers): block size's one pair.
 TWO_HOMES = {"block_size": {"engine/scheduler.py", "connector/pd.py"}}
 
@@ -190,6 +190,7 @@ def test_serve_flags_default_to_the_config_records() -> None:
     from kvferry.connector.pd import PDConfig
     from kvferry.engine.engine import EngineConfig
     from kvferry.engine.scheduler import SchedulerConfig
+    from kvferry.serving.proxy import ProxyConfig
 
     args = build_parser().parse_args(["serve"])
     pd, engine = PDConfig(role="decode", engine_id="e"), EngineConfig()
@@ -203,3 +204,6 @@ def test_serve_flags_default_to_the_config_records() -> None:
         assert getattr(args, flag) == getattr(pd, field), flag
     for flag in ("num_blocks", "max_prefill_chunk", "kv_load_failure_policy", "seed"):
         assert getattr(args, flag) == getattr(engine, flag), flag
+    proxy = build_parser().parse_args(["proxy", "--prefill", "p", "--decode", "d"])
+    assert (proxy.retries, proxy.retry_unreachable, proxy.health_interval, proxy.migrations) == (
+        ProxyConfig.retries, ProxyConfig.retry_unreachable, ProxyConfig.health_interval_s, ProxyConfig.migrations)

@@ -18,6 +18,7 @@ from kvferry.connector.pd import PDConfig
 from kvferry.connector.pd_connector import PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
+from kvferry.serving.proxy import ProxyConfig, build_proxy_app
 from kvferry.transfer.addr import join_addr
 from kvferry.transfer.secret import env_ok, new_secret
 
@@ -133,15 +134,15 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--decode", action="append", required=True, help="decode instance URL (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the proxy")
-    p.add_argument("--retries", type=int, default=0, help="retry a KV-load failure before the first token")
-    p.add_argument("--migrations", type=int, default=2,
+    p.add_argument("--retries", type=int, default=ProxyConfig.retries, help="retry a KV-load failure before the first token")
+    p.add_argument("--migrations", type=int, default=ProxyConfig.migrations,
                    help="a stream whose D dies or aborts it is resumed on another D from the tokens already sent, "
                         "and a non-streamed answer a D aborted (shutting down) is asked of another D, at most this "
                         "many times (0 = off; resuming after text needs kvferry D instances)")
-    p.add_argument("--health-interval", type=float, default=1.0,
+    p.add_argument("--health-interval", type=float, default=ProxyConfig.health_interval_s,
                    help="ask every instance in rotation /health this often; a draining (503) or unreachable one "
                         "leaves rotation until it answers 200 again (s; 0 = only on failed requests)")
-    p.add_argument("--retry-unreachable", type=int, default=3,
+    p.add_argument("--retry-unreachable", type=int, default=ProxyConfig.retry_unreachable,
                    help="retry (with backoff up to 2 s) when an instance cannot be reached at all")
     p.add_argument("--sequential", action="store_true",
                    help="prefill first, then pass P's kv_transfer_params to D (automatic for a P that is not kvferry)")
@@ -325,10 +326,9 @@ def serve(args: argparse.Namespace) -> int:
 def proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvferry.serving.proxy import build_proxy_app
-
-    app = build_proxy_app(args.prefill, args.decode, args.retries, args.sequential, args.retry_unreachable,
-                          args.health_interval, args.migrations)
+    app = build_proxy_app(args.prefill, args.decode, retries=args.retries, sequential=args.sequential,
+                          retry_unreachable=args.retry_unreachable, health_interval_s=args.health_interval,
+                          migrations=args.migrations)
     print(f"kvferry proxy: HTTP API on http://{args.host}:{args.port} (prefill {', '.join(args.prefill)}; "
           f"decode {', '.join(args.decode)})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -11,6 +11,7 @@ import json
 import os
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -59,14 +60,25 @@ class ProxyMetrics:
         )
 
 
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The proxy's settings: `kvferry proxy`'s flags and `build_proxy_app` read their defaults here."""
+
+    retries: int = 0  # a KV-load failure before the first token is retried this often
+    sequential: bool = False  # prefill first, then D with P's kv_transfer_params
+    retry_unreachable: int = 3  # an instance that cannot be reached at all
+    health_interval_s: float = CHECK_INTERVAL_S
+    migrations: int = 2  # a stream whose D dies is resumed on another D at most this often
+
+
 def build_proxy_app(
     prefill_urls: list[str],
     decode_urls: list[str],
-    retries: int = 0,
-    sequential: bool = False,
-    retry_unreachable: int = 3,
-    health_interval_s: float = CHECK_INTERVAL_S,
-    migrations: int = 2,
+    retries: int = ProxyConfig.retries,
+    sequential: bool = ProxyConfig.sequential,
+    retry_unreachable: int = ProxyConfig.retry_unreachable,
+    health_interval_s: float = ProxyConfig.health_interval_s,
+    migrations: int = ProxyConfig.migrations,
 ) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     prefills = InstancePool([PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential)
