@@ -263,3 +263,23 @@ def test_a_frozen_p_fails_the_load_on_time_and_its_blocks_stay_out_of_the_pool(r
     d.assert_empty()
     print(f"\n{policy}: vLLM's scheduler got the failed load {took:.2f} s after P froze; D at {busy:.1%} of a "
           f"core while the read was held; {len(under_read)} blocks back {released_s:.2f} s after SIGCONT")
+
+
+def test_a_vllm_that_never_binds_its_block_pool_is_refused_before_the_first_pull(model_dir: str) -> None:
+    """A D on NIXL must keep blocks out of vLLM's pool, so it needs the KV cache manager vLLM 0.32 and
+    0.33 bind to the connector; a vLLM that never binds it gets a clear error at its first step, never a
+    D that hands back blocks a read may still write."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_harness import vllm_config
+
+    from kvferry.integrations.vllm import KVFerryConnector
+
+    config = vllm_config(model_dir, "kv_consumer", {"transfer": "nixl", "bootstrap_port": free_port()})
+    connector = KVFerryConnector(config, KVConnectorRole.SCHEDULER, None)
+    try:
+        with pytest.raises(RuntimeError, match="bind_kv_cache_manager"):
+            connector.build_connector_meta(SimpleNamespace(finished_req_ids=set()))
+    finally:
+        connector.shutdown()

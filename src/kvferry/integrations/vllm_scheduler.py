@@ -199,8 +199,8 @@ class KVFerryScheduler:
             decode.scheduler.pull(view, ids, first)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFerryConnectorMetadata:
-        if self._step == 0 and DECODE in self.pd:
-            self.quarantine.check_bound()  # before the first pull: a D that cannot quarantine is refused
+        if self._step == 0 and DECODE in self.pd and self.pd[DECODE].config.transfer == "nixl":
+            self.quarantine.check_bound()  # before the first pull: NIXL reads outlive failures (quarantine)
         self._step += 1
         step = _StepView(self._step, set(scheduler_output.finished_req_ids))
         # Before the roles' metadata is built, so it carries the progress this step reaches.
