@@ -1,8 +1,8 @@
 """Progressive push through real processes: while P's chunked prefill of a long prompt is still running,
 D's parked pull already gets the blocks P completed, so only the last chunk's blocks move after the
 prefill. The answer stays token-identical to the colocated one; a P killed or frozen after some partial
-writes fails D's request with `peer_dead` under `fail` and costs only a local prefill under
-`recompute`; a transport break or a corrupt block in a partial write ends with its cause; a D that dies
+writes fails D's request with `peer_dead` under `fail`, and under `recompute` costs a local prefill of
+only the blocks that did not arrive with P's checksums; a transport break or a corrupt block in a partial write ends with its cause; a D that dies
 (its lease lapses) or whose client leaves mid-prefill costs P nothing; nothing leaks anywhere."""
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def test_p_killed_or_frozen_mid_prefill_after_partial_writes(how: signal.Signals
     ids = prompt(2 * LONG, 4)  # a longer prefill: the signal lands well before its end
     with PD(d_args=("--kv-load-failure-policy", policy)) as pd:
         out, thread = pd.ask(ids)
-        wait_until(lambda: partial_writes(pd.p) >= 1, 30, "a partial write")
+        # The third part starts after the first one's answer (its checksums) went out and the second ended.
+        wait_until(lambda: partial_writes(pd.p) >= 3, 30, "three partial writes")
         os.kill(pd.p.pid, how)
         r = answer(out, thread)
         if policy == "fail":
@@ -143,6 +144,8 @@ def test_p_killed_or_frozen_mid_prefill_after_partial_writes(how: signal.Signals
         else:
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == reference(ids, 6)
+            # Only what did not arrive with P's checksums is computed again: the pushed blocks are kept.
+            assert 0 < r.json()["kvferry"]["recomputed_tokens"] < len(ids) - 16, r.json()["kvferry"]
         wait_until(lambda: clean(pd.d), 10, "D back to a full pool")
 
 

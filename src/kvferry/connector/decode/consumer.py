@@ -82,9 +82,9 @@ class Consumer:
             for name, buffer in layout.regions().items():
                 engine.register(name, buffer)
         self.outbox = Outbox()
-        self._landed = Landed(self.outbox, layout, self.engines, config.checksums)
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers = Dealers(self._new_dealer)
+        self._landed = Landed(self.outbox, layout, self.engines, config.checksums, self._dealers)
         self._ctx = zmq.asyncio.Context()
         # Gaps between our own heartbeat ticks. When this loop lags, P hears from us late: we ask for a
         # lease that covers it (floor: LEASE_HEARTBEATS intervals; P caps it at its abort timeout). And

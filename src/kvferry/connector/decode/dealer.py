@@ -125,6 +125,9 @@ class Dealer:
         self._sent: dict[WaiterKey, bytes] = {}  # each waiter's pull, sent again after a re-dial
         # When P started writing each pull (its CONTINUE): transfer time excludes waiting for prefill.
         self.writing_since: dict[WaiterKey, float] = {}
+        # The checksums P sent with each partial write (progressive push), in the pull's block order: the
+        # blocks they cover count if P dies before its answer.
+        self.part_checksums: dict[WaiterKey, list[int]] = {}
         # When P last said it still has a transfer queued or prefilling (its HeartbeatAck.working).
         self.working_seen: dict[str, float] = {}
         loop = asyncio.get_running_loop()
@@ -166,6 +169,7 @@ class Dealer:
         self.waiters.pop(key, None)
         self._sent.pop(key, None)
         self.working_seen.pop(key[0], None)
+        self.part_checksums.pop(key, None)
         return self.writing_since.pop(key, None)
 
     def silent_for(self, now: float) -> float:
@@ -236,6 +240,7 @@ class Dealer:
         self._sent.clear()
         self.writing_since.clear()
         self.working_seen.clear()
+        self.part_checksums.clear()
 
     async def _read(self) -> None:
         while True:
@@ -268,6 +273,8 @@ class Dealer:
             if message.status == Status.CONTINUE:
                 if key in self.waiters:
                     self.writing_since.setdefault(key, self.last_seen)
+                    if message.checksums:
+                        self.part_checksums[key] = list(message.checksums)
                 continue
             future = self.waiters.pop(key, None)
             self._sent.pop(key, None)

@@ -27,8 +27,10 @@ class Landed:
     successful pull (its blocks are the request's KV), are held instead: the request keeps waiting for
     remote KV, its blocks allocated, until the grants drained."""
 
-    def __init__(self, outbox: Outbox, layout: KVLayout, engines: dict[int, TransferEngine], checksums: bool) -> None:
+    def __init__(self, outbox: Outbox, layout: KVLayout, engines: dict[int, TransferEngine], checksums: bool,
+                 dealers: Dealers) -> None:
         self.layout = layout
+        self.dealers = dealers  # where P's partial answers (progressive push) wait for a pull's end
         self.checksums = checksums  # asked for: then a block P sent no checksum for is unverified, not loaded
         self.engines = engines
         self.outbox = outbox
@@ -40,8 +42,15 @@ class Landed:
         """Blocks not completely and correctly written by every P rank they need (all, if unknown)."""
         if not pull.tasks or not all(self.engines[t.d_rank].tracks_progress for t in pull.tasks):
             return list(range(len(pull.block_ids)))
+        key = (pull.spec.transfer_id, pull.request_id)
         for task in pull.tasks:
             self.close_grant(task)
+            # A P that dies mid-prefill never answers; the checksums it sent after each partial write
+            # still vouch for the blocks that write covered (each is checked against what landed).
+            dealer = self.dealers.get((task.d_rank, task.control_addr))
+            part = dealer.part_checksums.get(key, []) if dealer is not None else []
+            if len(part) > len(task.checksums):
+                task.checksums = list(part)
         return self.bad_blocks(pull, pull.tasks)
 
     def bad_blocks(self, pull: PullMeta, tasks: list[PullTask]) -> list[int]:

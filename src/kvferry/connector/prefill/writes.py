@@ -136,7 +136,10 @@ class RankWriter:
             done(None)
             return
         self.shared.table.write_done(w, failed=False, partial=True)
-        done(Pushed(pushed.sent + len(blocks), pushed.checksums + checksums, pushed.nbytes + nbytes))
+        now = Pushed(pushed.sent + len(blocks), pushed.checksums + checksums, pushed.nbytes + nbytes)
+        # D keeps these blocks if this P dies before its final answer (queued before `done` wakes the loop).
+        reply(identity, response(pull, Status.CONTINUE, checksums=now.checksums, bytes_written=now.nbytes))
+        done(now)
 
     def _write(self, pull: PullRequest, w: Write, blocks: list[int], first: int, fault: str | None,
                checksums: list[int]) -> tuple[list[int], int]:
