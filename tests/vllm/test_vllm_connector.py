@@ -55,9 +55,9 @@ class PD:
     def __init__(self, model_dir: str, policy: str = "fail", faults: str = "", layout: str = "LBNHC",
                  num_blocks: int = 64, abort_timeout_s: float = 10.0,
                  roles: tuple[str, str] = ("kv_producer", "kv_consumer"), staging: str = "auto",
-                 p_tp: int = 1, d_tp: int = 1) -> None:
+                 p_tp: int = 1, d_tp: int = 1, extra: dict[str, Any] | None = None) -> None:
         common: dict[str, Any] = {"faults": faults, "abort_timeout_s": abort_timeout_s, "kv_load_deadline_s": 15.0,
-                                  "staging": staging}
+                                  "staging": staging, **(extra or {})}
         self.faults = FaultSpec.parse(faults)
         self.p = self.instance("P", model_dir, roles[0], {**common, "bootstrap_port": free_port()},
                           layout=layout, num_blocks=num_blocks, tp_size=p_tp)

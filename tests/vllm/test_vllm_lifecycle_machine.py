@@ -218,20 +218,27 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.log: list[str] = []
 
     @initialize(policy=st.sampled_from(["fail", "recompute"]), pool=st.sampled_from(["roomy", "small", "tight"]),
-                first=TRANSFER)
-    def start(self, policy: str, pool: str, first: dict[str, Any]) -> None:
+                first=TRANSFER, push=st.sampled_from(["after", "progressive"]))
+    def start(self, policy: str, pool: str, first: dict[str, Any], push: str) -> None:
         """The pair, with D's policy and both pools' size (64 blocks; 24: requests wait for room on P and D,
-        P's lent blocks among them; `Shape.tight_blocks`: one request at a time), and a first transfer (an
-        example without one tests nothing)."""
+        P's lent blocks among them; `Shape.tight_blocks`: one request at a time), P's push (`progressive`:
+        P's prefill chunks of 2 blocks, each prompt of a block or more goes to D as they complete, and vLLM
+        admits a prefill on its first chunk's blocks, so it may preempt one mid-prefill), and a first
+        transfer (an example without one tests nothing)."""
         num_blocks = {"roomy": 64, "small": 24, "tight": self.shape.tight_blocks}[pool]
         event(f"pool: {pool}")
+        event(f"push: {push}")
         class MachinePD(PD):
             instance = self.shape.instance
 
         self.policy = policy
         model = self.model_dirs["mla" if self.shape.mla else "opt"]
         self.pd = MachinePD(model, policy=policy, faults=SPEC.to_spec(), abort_timeout_s=ABORT_TIMEOUT_S,
-                            num_blocks=num_blocks, p_tp=self.shape.p_tp, d_tp=self.shape.d_tp)
+                            num_blocks=num_blocks, p_tp=self.shape.p_tp, d_tp=self.shape.d_tp,
+                            extra={"progressive_min_tokens": BLOCK_SIZE} if push == "progressive" else None)
+        if push == "progressive":
+            self.pd.p.scheduler.max_num_scheduled_tokens = 2 * BLOCK_SIZE
+            self.pd.p.scheduler.scheduler_reserve_full_isl = False
         self.new_transfer(**first)
 
     @property
@@ -414,6 +421,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 pulled = any(n for r, n in self.d.alloc_calls if r == t.d_req)
                 event(f"D {'aborted' if t.d_aborted else out and out.finish_reason.name}, pulled {pulled}, "
                       f"cause {cause and cause[0]}")
+            parts = sum(w.pd["prefill"].metrics.progressive_writes._value.get() for w in self.p.workers)
+            event(f"progressive writes: {'some' if parts else 'none'}")
         finally:
             self.pd.close()
 

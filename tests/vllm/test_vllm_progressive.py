@@ -27,6 +27,8 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request
 from vllm_harness import BLOCK_SIZE, LAYER_NAMES
 
+from kvferry.integrations import vllm_progress
+
 __all__ = ["make_pd", "model_dir"]  # fixtures
 
 LONG = [(17 * i + 29) % 50000 + 3 for i in range(600)]  # 38 blocks: 3 steps of P's chunked prefill
@@ -80,15 +82,14 @@ def test_short_prompt_is_pushed_after_its_prefill(make_pd: Any) -> None:
     pd.assert_empty()
 
 
-def test_preempted_prefill_is_never_read_after_its_blocks_are_freed(make_pd: Any) -> None:
-    """P's pool cannot hold the long prompt beside a decoding request: vLLM preempts the prefill after
-    its second chunk and frees its blocks while a part (slowed to 1 s) still reads them. vLLM's
-    `handle_preemptions` waits for that write before the next forward may reuse the blocks; once the
-    other request is done, the prefill resumes and the rest goes to D. D's answer is the colocated one."""
-    pd: PD = make_pd(faults="slow=1000", num_blocks=40)
+def preempt_with_a_part_in_flight(pd: PD) -> tuple[Request, Request, Request, list[tuple[int, int]]]:
+    """P's pool cannot hold the long prompt beside a decoding request: vLLM admits the prefill on its
+    first chunk's blocks and preempts it at its third chunk, freeing its blocks while the second chunk's
+    part (slowed by the `slow` fault) still reads them. Returns P's other request, P's and D's request of
+    the transfer, and per preemption the writes in flight when it came and when it returned."""
     pd.p.scheduler.scheduler_reserve_full_isl = False  # admit on the first chunk's blocks, as vLLM may be told
     table = pd.p.worker.pd["prefill"].producer.table
-    rewinds: list[tuple[int, int]] = []  # writes in flight when the preemption came, and after it
+    rewinds: list[tuple[int, int]] = []
     rewind = table.rewind
 
     def spy(*args: Any, **kw: Any) -> Any:
@@ -101,16 +102,47 @@ def test_preempted_prefill_is_never_read_after_its_blocks_are_freed(make_pd: Any
     other = pd.p.add([5 + i % 7 for i in range(5 * BLOCK_SIZE)], 60, None)  # decoding beside the prefill
     p_req, d_req = start(pd, LONG)
     first_part_landed(pd, p_req)
-    pd.p.step()  # the second chunk: its blocks go to D in a part that takes 1 s
+    pd.p.step()  # the second chunk: its blocks go to D in a slow part
     pd.d.run_until(lambda: table.writes_in_flight() > 0, what="a part in flight")
     pd.p.step()  # the third chunk does not fit: vLLM preempts the prefill and frees its blocks
     assert p_req.num_preemptions == 1 and p_req.num_computed_tokens == 0
+    return other, p_req, d_req, rewinds
+
+
+def test_preempted_prefill_is_never_read_after_its_blocks_are_freed(make_pd: Any) -> None:
+    """vLLM's `handle_preemptions` waits for the part (1 s) before the next forward may reuse the blocks;
+    once the other request is done, the prefill resumes and the rest goes to D. D's answer is the
+    colocated one."""
+    pd: PD = make_pd(faults="slow=1000", num_blocks=40)
+    other, p_req, d_req, rewinds = preempt_with_a_part_in_flight(pd)
     assert rewinds == [(1, 0)], rewinds  # a write read the blocks; none did once the next forward could run
     out = decode_to_end(pd, d_req.request_id)
     assert d_req.request_id not in pd.d.connector.failure_causes, pd.d.connector.failure_causes
     assert out.finish_reason == FinishReason.LENGTH and pd.d.tokens(d_req.request_id) == reference(LONG, 5)
     assert not pd.d.invalid
     assert pd.p.sent == [p_req.request_id] and pd.p.finished(other.request_id) is not None
+    pd.assert_empty()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_preemption_cancels_a_write_that_outlasts_its_wait(make_pd: Any, monkeypatch: pytest.MonkeyPatch,
+                                                           policy: str) -> None:
+    """A part still running when the preemption's wait ends (0.5 s here, against a 3 s write) is
+    cancelled before the next forward: the transfer ends, D's pull fails with a typed cause, and its
+    policy decides (`recompute`: the colocated answer). P finishes its prefill and frees every block."""
+    monkeypatch.setattr(vllm_progress, "PREEMPT_WAIT_S", 0.5)
+    pd: PD = make_pd(faults="slow=3000", num_blocks=40, policy=policy)
+    other, p_req, d_req, rewinds = preempt_with_a_part_in_flight(pd)
+    assert rewinds[0][0] == 1 and rewinds[-1][1] == 0, rewinds  # cancelled: nothing reads the blocks now
+    out = decode_to_end(pd, d_req.request_id)
+    cause = pd.d.connector.failure_causes[d_req.request_id][0]
+    assert cause in ("transport", "expired"), pd.d.connector.failure_causes
+    if policy == "fail":
+        assert out.finish_reason == FinishReason.ERROR
+    else:
+        assert out.finish_reason == FinishReason.LENGTH and pd.d.tokens(d_req.request_id) == reference(LONG, 5)
+    pd.both_until(lambda: pd.p.finished(other.request_id) is not None and pd.p.finished(p_req.request_id) is not None,
+                  what="P's requests to end")
     pd.assert_empty()
 
 

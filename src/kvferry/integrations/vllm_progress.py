@@ -70,8 +70,8 @@ class ProgressTracker:
                 continue
             if req_id in cached.resumed_req_ids:
                 self._blocks[req_id] = list(new_ids[0]) if new_ids is not None else []
-            elif new_ids is not None:
-                self._blocks.setdefault(req_id, []).extend(new_ids[0])
+            elif new_ids is not None and req_id in self._blocks:  # never a list that misses its first blocks
+                self._blocks[req_id].extend(new_ids[0])
         preempted = []
         for req_id in scheduler_output.preempted_req_ids or ():
             request = self._requests.get(req_id)
