@@ -1,7 +1,6 @@
-"""`PDConnector`: kvferry's P/D `KVConnector`, a thin facade over its two halves, as vLLM's
-`nixl/connector.py`: every method forwards to the half that owns it, the scheduler half (`pd.py`) or
-the worker half (`pd_worker.py`). Both halves are built whatever the role (neither does anything
-until it is used), so a call meant for the other role answers as an idle half would.
+"""`PDConnector`: kvferry's P/D `KVConnector`, a thin facade per role, as vLLM's `nixl/connector.py`:
+it builds only its role's half, the scheduler half (`pd.py`) or the worker half (`pd_worker.py`), and
+every method forwards to it. A call meant for the other role is a wiring bug and raises `WrongRole`.
 """
 
 from __future__ import annotations
@@ -29,13 +28,29 @@ from kvferry.connector.prefill.producer import Producer
 from kvferry.transfer.base import TransferEngine
 
 
+class WrongRole(RuntimeError):
+    """A scheduler-role method called on the worker's connector, or the other way round."""
+
+
 class PDConnector(KVConnector):
     def __init__(self, role: ConnectorRole, config: PDConfig, metrics: Metrics | None = None) -> None:
         super().__init__(role)
         self.config = config
         self.metrics = metrics or Metrics()
-        self.scheduler = PDScheduler(config, self.metrics)
-        self.worker = PDWorker(config, self.metrics)
+        self._scheduler = PDScheduler(config, self.metrics) if role == ConnectorRole.SCHEDULER else None
+        self._worker = PDWorker(config, self.metrics) if role == ConnectorRole.WORKER else None
+
+    @property
+    def scheduler(self) -> PDScheduler:
+        if self._scheduler is None:
+            raise WrongRole(f"the {self.role.value} connector has no scheduler half")
+        return self._scheduler
+
+    @property
+    def worker(self) -> PDWorker:
+        if self._worker is None:
+            raise WrongRole(f"the {self.role.value} connector has no worker half")
+        return self._worker
 
     @property
     def is_decode(self) -> bool:
@@ -113,7 +128,8 @@ class PDConnector(KVConnector):
         return self.worker.stats()
 
     def close(self) -> None:
-        self.worker.close()
+        if self._worker is not None:  # the scheduler half holds no thread, socket or memory
+            self._worker.close()
 
     @property
     def producer(self) -> Producer | None:
