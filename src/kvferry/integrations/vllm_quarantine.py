@@ -27,6 +27,7 @@ from collections import Counter
 from typing import Any
 
 from kvferry.connector.pd_connector import PDConnector
+from kvferry.integrations.vllm_metadata import KVFerryWorkerMetadata
 
 log = logging.getLogger("kvferry.integrations.vllm.quarantine")
 
@@ -86,8 +87,12 @@ class BlockQuarantine:
     def num_blocks(self) -> int:
         return sum(len(blocks) for blocks in self.held.values())
 
-    def update(self, quarantined: dict[str, int], released: dict[str, int], finished_recving: set[str]) -> None:
-        """One step's reports, before vLLM frees the blocks of the requests that finished receiving."""
+    def update(self, meta: Any, finished_recving: set[str]) -> None:
+        """One step's reports (`meta`: the ranks' worker metadata, if any), before vLLM frees the blocks of
+        the requests that finished receiving."""
+        quarantined, released = {}, {}
+        if isinstance(meta, KVFerryWorkerMetadata):
+            quarantined, released = meta.quarantined, meta.released
         self._open.update(quarantined)
         self._open.subtract(released)
         for request_id in finished_recving:

@@ -254,9 +254,10 @@ class KVFerryScheduler:
         if prefill is not None and sent:
             prefill.transfers_ended(set(sent))  # their transfer_ids are free for another request again
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        # Before vLLM frees the blocks of the loads that ended (it calls this first); also in a step with no
+        # worker metadata: with TP the last rank to finish a load may have nothing to say.
+        self.quarantine.update(meta, set(connector_output.finished_recving or ()))
         if isinstance(meta, KVFerryWorkerMetadata):
-            # Before vLLM frees the blocks of the loads that ended (it calls this first).
-            self.quarantine.update(meta.quarantined, meta.released, set(connector_output.finished_recving or ()))
             for request_id, (cause, message) in meta.causes.items():
                 _remember(self.failure_causes, request_id, (cause, message))
                 self._failures.add(cause)
