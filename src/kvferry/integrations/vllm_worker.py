@@ -89,6 +89,9 @@ class KVFerryWorker:
         for r, pd_meta in meta.by_role.items():
             if r == PREFILL:
                 self._expect_send.update(s.request_id for s in pd_meta.to_send)
+                # A request that ended mid-prefill after pushing progressively lends its blocks too
+                # (vLLM holds them, `delay_free`, until they are reported sent).
+                self._expect_send.update(d.request_id for d in pd_meta.dead_transfers if d.lent)
                 if self.gate is not None:
                     pd_meta = self.gate.hold(pd_meta)
             else:
