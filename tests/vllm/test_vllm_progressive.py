@@ -168,3 +168,17 @@ def test_p_killed_mid_prefill_after_parts_landed(make_pd: Any, policy: str) -> N
         invalid = set(pd.d.invalid)
         assert set(d_blocks[landed:]) <= invalid <= set(d_blocks), (landed, sorted(invalid))
     pd.assert_empty()  # D only: P's blocks went with its process
+
+
+def test_p_aborted_mid_prefill_after_parts_landed(make_pd: Any) -> None:
+    """P's request ends mid-prefill (a client gone, P's abort) after a part reached D: its blocks were
+    lent to the producer, which hands them back to vLLM once no write reads them; D's pull fails with
+    P's answer (the prefill ended without KV) and nothing is held on either side."""
+    pd: PD = make_pd()
+    p_req, d_req = start(pd, LONG)
+    first_part_landed(pd, p_req)
+    pd.p.abort(p_req.request_id)
+    out = decode_to_end(pd, d_req.request_id)
+    assert out.finish_reason == FinishReason.ERROR and d_req.request_id in pd.d.connector.failure_causes
+    pd.both_until(lambda: p_req.request_id in pd.p.sent, what="P's lent blocks back in vLLM's pool")
+    pd.assert_empty()
