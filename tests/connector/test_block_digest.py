@@ -9,6 +9,7 @@ import time
 import numpy as np
 import xxhash
 
+from kvferry.connector.decode.dealer import Dealer, Dealers
 from kvferry.connector.decode.progress import Landed
 from kvferry.connector.decode.pulls import Outbox, PullMeta, PullSpec, PullTask
 from kvferry.connector.digest import block_key
@@ -34,7 +35,7 @@ def _judge(layout: PagedKVLayout, key: bytes | None, digests: list[int]) -> list
         task.written = [r for b in BLOCKS for r in layout.block_runs(b, HEADS)]  # all landed
         spec = PullSpec("r", "xfer-1", BLOCKS, "p", "127.0.0.1:1", len(BLOCKS) * SPEC.block_size)
         pull = PullMeta(spec, time.monotonic(), time.monotonic() + 10, [task])
-        return Landed(Outbox(), layout, {0: engine}, checksums=True).bad_blocks(pull, pull.tasks)
+        return Landed(Outbox(), layout, {0: engine}, True, Dealers(_no_dealer)).bad_blocks(pull, pull.tasks)
 
 
 def test_keyed_digests_pass_and_unkeyed_ones_are_refused() -> None:
@@ -62,3 +63,7 @@ def test_without_a_secret_the_digest_stays_xxh64() -> None:
     unkeyed = [layout.checksum(b, HEADS) for b in BLOCKS]
     assert _judge(layout, None, unkeyed) == []
     assert _judge(layout, None, [unkeyed[0] ^ 1, *unkeyed[1:]]) == [0]
+
+
+def _no_dealer(addr: str, receiver: bytes) -> Dealer:
+    raise AssertionError("no pull here reaches P")
