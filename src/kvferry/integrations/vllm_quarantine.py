@@ -14,7 +14,8 @@ it ended. Here that becomes vLLM's:
 - when vLLM learns the request finished receiving, the scheduler half takes one more reference on each of
   the request's blocks in vLLM's `BlockPool` (`touch`) before vLLM frees them, so freeing the request
   leaves them out of the free queue, and drops it (`free_blocks`) once every rank that quarantined has
-  released.
+  released. Blocks of a local prefix-cache hit before the pulled ones are held too: they stay usable as
+  hits (a hit adds its own reference), only not evictable meanwhile.
 
 A staging buffer that NIXL reads into would cost a copy on every healthy transfer to spare a rare failure
 a few blocks; the reference is free. vLLM must bind its KV cache manager to the connector
