@@ -7,7 +7,8 @@ A dead P is noticed three ways; a live one is never failed for being slow:
 - an established connection that closes is judged by what libzmq's re-dial (every `RECONNECT_MS`)
   meets, counted from the drop: refused (the port is closed: the process is gone, a kill -9 is seen in
   ~10 ms) → dead at once; a completed ZMTP handshake (P's I/O thread answers: alive, not stopped) → the
-  pulls go on; neither within the bound P's recent ack round trips allow (`liveness.DelayEstimator`,
+  pulls go on; neither within the bound P's recent delays allow (ack round trips, and outages it came
+  back from, kept per P process across DEALERs: `liveness.DelayEstimator`,
   floor `--heartbeat-timeout`) → dead: a SIGSTOP'd P is dead a ZMTP timeout plus that bound after it
   stopped. How long P's Python was silent before the drop does not count: a starved D (its own I/O
   thread late to read P's pongs) drops connections to live peers too. Across the re-dial nothing is
@@ -289,7 +290,11 @@ class Dealer:
                 self.connected, self._ever_connected = True, True
                 self._pings.clear()  # their acks went with the old connection (or the old process)
                 if self.dropped is not None and not self.lost:
-                    log.info("connection to P at %s re-established; its pulls are sent again", self.addr)
+                    # How long the process was out of reach is a delay it showed, as an ack's round trip
+                    # is: the next drop is judged by it (a starved P's outages come in bursts that grow).
+                    self.silence.observe(now - self.dropped)
+                    log.info("connection to P at %s re-established after %.1fs; its pulls are sent again",
+                             self.addr, now - self.dropped)
                     self._resend()
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
@@ -333,6 +338,9 @@ class Dealers(dict[tuple[int, str], Dealer]):
         super().__init__()
         self._make = make
         self._retired: OrderedDict[bytes, bool] = OrderedDict()  # receivers (address and boot id), an LRU
+        # Each P process's delays (ack round trips, outages it came back from), an LRU: they outlive any
+        # one DEALER to it (closed when idle, replaced when lost), so the next one judges it by them.
+        self._delays: OrderedDict[bytes, DelayEstimator] = OrderedDict()
 
     def retired(self, receiver: bytes) -> bool:
         return receiver in self._retired
@@ -347,7 +355,7 @@ class Dealers(dict[tuple[int, str], Dealer]):
             return dealer
         if self.retired(receiver):
             raise BootstrapError(f"P at {addr} restarted after its bootstrap answer")
-        self[(d_rank, addr)] = self._make(addr, receiver)
+        self[(d_rank, addr)] = self._new(addr, receiver)
         if dealer is not None:  # after the new one is in: a failing pull's Release must not use the old
             restarted = dealer.receiver != receiver
             if restarted:
@@ -360,8 +368,14 @@ class Dealers(dict[tuple[int, str], Dealer]):
         when a later P holds its address (that one refuses what we would seal)."""
         dealer = self.get((d_rank, addr))
         if dealer is None and not self.retired(receiver):
-            dealer = self[(d_rank, addr)] = self._make(addr, receiver)
+            dealer = self[(d_rank, addr)] = self._new(addr, receiver)
         return dealer if dealer is not None and dealer.receiver == receiver else None
+
+    def _new(self, addr: str, receiver: bytes) -> Dealer:
+        dealer = self._make(addr, receiver)
+        dealer.silence = self._delays.get(receiver, dealer.silence)
+        remember(self._delays, receiver, dealer.silence)
+        return dealer
 
     def sweep(self, now: float, liveness: bool, idle_s: float) -> None:
         """Close DEALERs no pull waits on: at once when their P is gone (a second's grace for a Release
