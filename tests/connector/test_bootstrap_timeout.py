@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -42,12 +42,26 @@ def slow_prefill(delay_s: float) -> Iterator[tuple[str, Sealed]]:
     control.bind(f"tcp://127.0.0.1:{port}", boot)
     info = EngineInfo(ENGINE, 1, [RankInfo(0, f"tcp://127.0.0.1:{port}", boot)])
 
+    def answer(path: str) -> dict[str, Any]:
+        nonce = urllib.parse.parse_qs(urllib.parse.urlparse(path).query)["nonce"][0]
+        return {**msgspec.to_builtins(info), "mac": answer_mac(SECRET, nonce, info)}
+
+    try:
+        with slow_json(delay_s, answer) as port:
+            yield f"127.0.0.1:{port}", control
+    finally:
+        control.close(0)
+        ctx.destroy(linger=0)
+
+
+@contextmanager
+def slow_json(delay_s: float, answer: Callable[[str], Any]) -> Iterator[int]:
+    """An HTTP server on loopback that answers every GET with `answer(path)` as JSON after `delay_s`."""
+
     class Slow(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            nonce = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["nonce"][0]
             time.sleep(delay_s)
-            answer = {**msgspec.to_builtins(info), "mac": answer_mac(SECRET, nonce, info)}
-            body = json.dumps(answer).encode()
+            body = json.dumps(answer(self.path)).encode()
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # D gave up first: the point
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
@@ -62,12 +76,10 @@ def slow_prefill(delay_s: float) -> Iterator[tuple[str, Sealed]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"127.0.0.1:{server.server_address[1]}", control
+        yield server.server_address[1]
     finally:
         server.shutdown()
         server.server_close()
-        control.close(0)
-        ctx.destroy(linger=0)
 
 
 def _decode(d: Proc, bootstrap_addr: str, transfer_id: str) -> tuple[httpx.Response, float]:
@@ -113,43 +125,16 @@ def test_the_bound_is_checked_and_reaches_the_vllm_connector(capsys: pytest.Capt
         KVFerrySettings.from_extra_config({"bootstrap_timeout_s": 0}, "e")
 
 
-@contextmanager
-def slow_sglang_bootstrap(delay_s: float) -> Iterator[tuple[str, int]]:
-    """sglang's bootstrap server (`GET /query`: the engines by rank) answering after `delay_s`."""
-
-    class Slow(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            time.sleep(delay_s)
-            body = json.dumps({"0": {"engine_id": ENGINE}}).encode()
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield "127.0.0.1", server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_the_bootstrap_bound_holds_for_sglangs_fields_too() -> None:
     """sglang's router names P's bootstrap server and a room, not P's engine: D asks the server which engine
     serves the room, within the same `--bootstrap-timeout`."""
     d = serve(None, "--role", "decode", "--num-blocks", "256", "--bootstrap-timeout", "0.5")
-    with running(d), slow_sglang_bootstrap(1.2) as (host, port):
+    # sglang's bootstrap server (`GET /query`: the engines by rank), answering after 1.2 s.
+    with running(d), slow_json(1.2, lambda path: {"0": {"engine_id": ENGINE}}) as port:
         started = time.monotonic()
         r = httpx.post(f"{d.url}/v1/completions", timeout=60, json={
             "prompt": "the bootstrap bound is a setting", "max_tokens": 2, "temperature": 0,
-            "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": 7})
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 7})
         took = time.monotonic() - started
         assert r.status_code == 500, r.text
         assert r.json()["error"]["code"] == "bootstrap" and r.json()["error"]["message"] == REFUSED

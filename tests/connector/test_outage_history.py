@@ -9,43 +9,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import SimpleNamespace
 
-import numpy as np
-from test_starved_p import D_BLOCKS, INTERVAL, SPEC, StarvedP, ended
+from test_starved_p import D_BLOCKS, StarvedP, ended, p_and_d
 
-from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.dealer import Dealer, Dealers
 from kvferry.connector.decode.liveness import DelayEstimator
-from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
-from kvferry.connector.layout import PagedKVLayout
-from kvferry.connector.metrics import Metrics
-from kvferry.harness.processes import HARNESS_SECRET
-from kvferry.transfer.tcp.engine import TcpTransferEngine
+from kvferry.connector.decode.pulls import PullSpec
 from procs import wait_until
 
 FLOOR = 1.0  # the ZMTP timeout and the idle bound after a drop
 FIRST_S = 0.5  # the first outage, counted from the drop: within the floor
 SECOND_S = 1.5  # the second: past the floor, within what the first allows (MARGIN x, 4x)
-
-
-@contextmanager
-def p_and_d() -> Iterator[tuple[StarvedP, Consumer]]:
-    p = StarvedP()
-    engine = TcpTransferEngine(secret=HARNESS_SECRET.encode())
-    config = ConsumerConfig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, recv_timeout_s=30,
-                            kv_load_deadline_s=60, secret=HARNESS_SECRET.encode())
-    consumer = Consumer(PagedKVLayout(SPEC, np.zeros(SPEC.shape, dtype=np.float32)), [engine], config, Metrics())
-    try:
-        yield p, consumer
-    finally:
-        consumer.close()
-        engine.close()
-        os.kill(p.proc.pid, signal.SIGCONT)
-        p.proc.kill()
-        p.proc.wait(10)
 
 
 def out_of_reach(p: StarvedP, dealer: Dealer, after_drop_s: float) -> None:
@@ -61,9 +36,7 @@ def out_of_reach(p: StarvedP, dealer: Dealer, after_drop_s: float) -> None:
 
 
 def test_the_next_drop_is_judged_by_the_outage_p_came_back_from() -> None:
-    with p_and_d() as (p, consumer):
-        causes: dict[str, tuple[str, str]] = {}
-        finished: set[str] = set()
+    with p_and_d(FLOOR) as (p, consumer, causes, finished):
         p.do("working xfer-o p-o")  # P has the request queued: D's pull is parked there, heartbeating
         consumer.start_pulls([PullSpec("o", "xfer-o", D_BLOCKS, "starved-p", p.bootstrap, 16)])
         wait_until(lambda: any(d.connected and d.waiters for d in list(consumer._dealers.values())), 10, "D pulling")

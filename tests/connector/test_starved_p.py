@@ -49,10 +49,10 @@ class StarvedP:
 
 
 @contextmanager
-def p_and_d() -> Iterator[tuple[StarvedP, Consumer, dict[str, tuple[str, str]], set[str]]]:
+def p_and_d(timeout_s: float = TIMEOUT) -> Iterator[tuple[StarvedP, Consumer, dict[str, tuple[str, str]], set[str]]]:
     p = StarvedP()
     engine = TcpTransferEngine(secret=HARNESS_SECRET.encode())
-    config = ConsumerConfig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=TIMEOUT, recv_timeout_s=30,
+    config = ConsumerConfig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=timeout_s, recv_timeout_s=30,
                             kv_load_deadline_s=60, secret=HARNESS_SECRET.encode())
     consumer = Consumer(PagedKVLayout(SPEC, np.zeros(SPEC.shape, dtype=np.float32)), [engine], config, Metrics())
     try:
