@@ -116,8 +116,10 @@ def test_second_turn_pulls_only_the_blocks_past_ds_hit(make_pd: Any, p_tp: int, 
     d_blocks = pd.d.block_ids(rid)[:n_blocks]
     assert d_blocks[:3] == d_hit_blocks  # D's own cached blocks, not pulled into
     pd.both_until(lambda: rid in pd.d.received, what="KV arrival")
-    # Each D rank's pull names D's blocks past the hit, from prompt block 3, for the whole prompt.
-    assert len(pulls) == d_tp
+    # Each D rank's pull names D's blocks past the hit, from prompt block 3, for the whole prompt. A rank
+    # may ask P again (a pull parked before P's KV was ready, or sent again after a re-dial): P answers
+    # a repeat without a second write, which the byte count below holds to.
+    assert sorted({pull.d_tp_rank for pull in pulls}) == list(range(d_tp)), pulls
     for pull in pulls:
         assert (pull.block_ids, pull.first_block, pull.num_tokens) == (d_blocks[3:], 3, len(prompt))
     assert bytes_received(pd) - received == 3 * len(LAYER_NAMES) * LAYER_BLOCK  # 3 blocks crossed, no more
