@@ -32,11 +32,11 @@ assert r.status_code == 200, r.text
 r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 assert r.status_code == 200, r.text
-try:
-    import kvferry.integrations.vllm  # noqa: F401
+try:  # what vLLM does with kv_connector_module_path: the module, then the class by name
+    from kvferry.integrations.vllm import KVFerryConnector  # noqa: F401
 except ImportError as exc:
     assert "needs vLLM" in str(exc), exc
 else:
-    raise AssertionError("kvferry.integrations.vllm imported without vLLM installed")
+    raise AssertionError("kvferry.integrations.vllm's KVFerryConnector imported without vLLM installed")
 print("bare install: kvferry serve answered a completion and a chat completion; the vLLM adapter says it needs vLLM")
 PY

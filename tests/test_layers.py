@@ -151,7 +151,7 @@ SETTINGS = {"abort_timeout_s", "kv_load_deadline_s", "recv_timeout_s", "heartbea
             "kv_load_failure_policy", "checksums", "control_port", "data_port", "advertise_host", "dealer_idle_s",
             "tp_size", "retries", "retry_unreachable", "health_interval_s"}
 # The engine does not import `PDConfig` (it would load the connector's servers): block size's one pair.
-TWO_HOMES = {"block_size": {"engine/scheduler.py", "connector/pd.py"}}
+TWO_HOMES = {"block_size": {"engine/scheduler.py", "connector/config.py"}}
 
 
 def _literal_defaults(path: Path) -> list[tuple[str, int]]:
@@ -186,8 +186,8 @@ def test_each_default_is_written_once() -> None:
 
 def test_serve_flags_default_to_the_config_records() -> None:
     from kvferry.cli import build_parser
+    from kvferry.connector.config import PDConfig
     from kvferry.connector.decode.pulls import ConsumerConfig
-    from kvferry.connector.pd import PDConfig
     from kvferry.engine.engine import EngineConfig
     from kvferry.engine.scheduler import SchedulerConfig
     from kvferry.serving.proxy import ProxyConfig

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from kvferry.connector.auth import deployment_secret, is_loopback
 from kvferry.connector.base import ConnectorRole, KVConnector
 from kvferry.connector.bootstrap import LOOPBACK, PrefillAllowList
+from kvferry.connector.config import PDConfig
+from kvferry.connector.facade import PDConnector
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pd import PDConfig
-from kvferry.connector.pd_connector import PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.loader import MODEL_CHOICES_HELP, ModelLoadError, load_model
 from kvferry.serving.proxy import ProxyConfig, build_proxy_app
@@ -236,7 +236,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from kvferry.serving.api_server import build_app
     from kvferry.serving.drain import Drain, DrainingServer
-    from kvferry.serving.pd_protocols import EngineResolver
+    from kvferry.serving.router_formats import EngineResolver
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not env_ok("kvferry serve") or not _check_exposure(args) or not _check_nixl(args):

@@ -10,7 +10,7 @@ import numpy as np
 import xxhash
 
 from kvferry.connector.decode.dealer import Dealer, Dealers
-from kvferry.connector.decode.progress import Landed
+from kvferry.connector.decode.landed import Landed
 from kvferry.connector.decode.pulls import Outbox, PullMeta, PullSpec, PullTask
 from kvferry.connector.digest import block_key
 from kvferry.connector.layout import KVCacheSpec, PagedKVLayout

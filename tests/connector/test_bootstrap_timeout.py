@@ -24,7 +24,7 @@ from kvferry.cli import main
 from kvferry.connector.bootstrap import FAIL_AFTER_S, REFUSED, EngineInfo, RankInfo, answer_mac
 from kvferry.connector.messages import PullRequest, decode_inbound
 from kvferry.harness.processes import HARNESS_SECRET
-from kvferry.integrations.vllm_settings import KVFerrySettings
+from kvferry.integrations.vllm.settings import KVFerrySettings
 from procs import Proc, free_port, running, serve
 from sealed import Sealed
 

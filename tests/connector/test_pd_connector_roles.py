@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvferry.connector.base import ConnectorRole
-from kvferry.connector.pd import PDConfig, PDScheduler
-from kvferry.connector.pd_connector import PDConnector, WrongRole
-from kvferry.connector.pd_worker import PDWorker
+from kvferry.connector.config import PDConfig
+from kvferry.connector.facade import PDConnector, WrongRole
+from kvferry.connector.scheduler import PDScheduler
+from kvferry.connector.worker import PDWorker
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -27,9 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from inproc import ServerThread, config
 
 from kvferry.connector.base import ConnectorRole
+from kvferry.connector.config import PDConfig
+from kvferry.connector.facade import PDConnector
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pd import PDConfig
-from kvferry.connector.pd_connector import PDConnector
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.request import Request, SamplingParams
 from kvferry.serving.api_server import build_app

@@ -96,7 +96,7 @@ for name in sys.argv[2:]:
     importlib.import_module(name)  # a clear ImportError now rather than a confusing skip later
 import torch
 
-import kvferry.connector.pd  # noqa: F401  (from this checkout's src/)
+import kvferry.connector.scheduler  # noqa: F401  (from this checkout's src/)
 
 if not cpu_only:
     assert torch.cuda.is_available(), (

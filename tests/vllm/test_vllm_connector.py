@@ -514,7 +514,7 @@ def test_d_released_before_p_finished_prefill(make_pd: Any) -> None:
 def test_no_secret_no_network_and_the_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adapter follows `kvferry serve`'s rules (docs/security.md): a non-loopback host needs
     KVFERRY_SECRET or "insecure"; D's prefill allow-list comes from the extra config."""
-    from kvferry.integrations.vllm import KVFerrySettings
+    from kvferry.integrations.vllm.settings import KVFerrySettings
 
     monkeypatch.delenv("KVFERRY_SECRET", raising=False)
     with pytest.raises(ValueError, match="KVFERRY_SECRET"):
@@ -530,7 +530,7 @@ def test_no_secret_no_network_and_the_allow_list(monkeypatch: pytest.MonkeyPatch
 def test_transfer_nixl_follows_serves_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """"transfer": "nixl" as `kvferry serve --transfer nixl`: a clear error without nixl, and loopback
     unless "insecure" (docs/security.md), whatever the secret."""
-    from kvferry.integrations.vllm import KVFerrySettings
+    from kvferry.integrations.vllm.settings import KVFerrySettings
     from kvferry.transfer.nixl import api as nixl_api
 
     monkeypatch.setenv("KVFERRY_SECRET", "c2VjcmV0LW9mLWF0LWxlYXN0LTEyOC1iaXRz")

@@ -9,7 +9,7 @@ import pytest
 
 torch: Any = pytest.importorskip("torch")
 
-from kvferry.integrations.vllm_layout import UnsupportedKVCacheError, VllmKVLayout, host_mirror  # noqa: E402
+from kvferry.integrations.vllm.layout import UnsupportedKVCacheError, VllmKVLayout, host_mirror  # noqa: E402
 
 L, B, H, N, C = 3, 5, 4, 4, 8  # layers, blocks, KV heads, tokens per block, K|V content (elements)
 
@@ -209,9 +209,10 @@ def pull_and_read_at_once(device: str) -> None:
     import uuid
 
     from kvferry.connector.base import ConnectorRole
+    from kvferry.connector.config import PDConfig
     from kvferry.connector.decode.pulls import PullSpec
-    from kvferry.connector.pd import PDConfig, PDMetadata, SendSpec
-    from kvferry.connector.pd_connector import PDConnector
+    from kvferry.connector.facade import PDConnector
+    from kvferry.connector.metadata import PDMetadata, SendSpec
     from procs import free_port
 
     cuda = device == "cuda"

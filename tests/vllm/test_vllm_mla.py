@@ -44,7 +44,7 @@ if HAVE_VLLM:
     from vllm.v1.worker.utils import allocate_kv_cache
     from vllm_harness import BLOCK_SIZE, LAYER_NAMES, NUM_LAYERS, Instance, token_after, vllm_config
 
-    from kvferry.integrations.vllm_layout import VllmKVLayout
+    from kvferry.integrations.vllm.layout import VllmKVLayout
 
     __all__ = ["make_pd", "model_dir"]  # fixtures
 

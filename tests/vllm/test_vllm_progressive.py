@@ -27,7 +27,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request
 from vllm_harness import BLOCK_SIZE, LAYER_NAMES
 
-from kvferry.integrations import vllm_progress
+from kvferry.integrations.vllm import progress as vllm_progress
 
 __all__ = ["make_pd", "model_dir"]  # fixtures
 

@@ -1,4 +1,4 @@
-"""The scheduler half's quarantine (integrations/vllm_quarantine.py) step by step, through the calls
+"""The scheduler half's quarantine (integrations/vllm/quarantine.py) step by step, through the calls
 vLLM's scheduler makes (`update_connector_output`, then it frees the loads that ended) on its real
 BlockPool: which step takes the extra reference on a quarantined load's blocks, and which gives it back,
 for the orders in which tensor parallel ranks report (test_vllm_nixl_frozen_p.py runs the whole thing
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (se
 if HAVE_VLLM:
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvferry.integrations.vllm_metadata import KVFerryWorkerMetadata
-    from kvferry.integrations.vllm_scheduler import KVFerryScheduler
+    from kvferry.integrations.vllm.metadata import KVFerryWorkerMetadata
+    from kvferry.integrations.vllm.scheduler import KVFerryScheduler
 
 NUM_BLOCKS = 16
 

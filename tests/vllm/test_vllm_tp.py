@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from test_vllm_connector import HAVE_VLLM
 
-from kvferry.integrations.vllm_settings import KVFerrySettings
+from kvferry.integrations.vllm.settings import KVFerrySettings
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (see .ci/vllm-env.sh)")
 

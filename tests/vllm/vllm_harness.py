@@ -40,8 +40,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvferry.integrations import vllm_worker
 from kvferry.integrations.vllm import KVFerryConnector
+from kvferry.integrations.vllm import worker as vllm_worker
 from vllm import SamplingParams
 
 # The shape of facebook/opt-125m (its config.json, minus what only a tokenizer or weights need).

@@ -83,7 +83,7 @@ class LayoutDescription(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     first_head: int = 0
     num_kv_heads: int = 0  # the model's KV heads in all (0: those held here)
     replicated: bool = False  # every rank holds all of it (MLA's one latent): see `overlap`
-    # vLLM's KV cache groups (integrations/vllm_groups.py): block id g * (num_blocks // groups) + b is
+    # vLLM's KV cache groups (integrations/vllm/groups.py): block id g * (num_blocks // groups) + b is
     # block b of the segments whose `segment_groups` entry is g (empty: every segment, one group).
     groups: int = 1
     segment_groups: list[int] = []
@@ -165,7 +165,7 @@ class KVLayout(abc.ABC):
 
     def blocks_for(self, num_tokens: int) -> int:
         """How many block ids a pull of a `num_tokens` prompt lists (one per block of tokens; vLLM's
-        hybrid KV cache lists each group's blocks that move, vllm_groups.py)."""
+        hybrid KV cache lists each group's blocks that move, integrations/vllm/groups.py)."""
         return -(-num_tokens // self.block_size)
 
     def pull_positions(self, num_tokens: int, first_block: int) -> list[int]:

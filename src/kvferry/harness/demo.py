@@ -33,8 +33,8 @@ import httpx
 from rich.console import Console
 from rich.text import Text
 
+from kvferry.connector.config import PDConfig
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.pd import PDConfig
 from kvferry.engine.engine import EngineConfig
 from kvferry.harness.client import run_workload
 from kvferry.harness.demo_view import plain_line, render

@@ -37,8 +37,7 @@ from kvferry.serving.openai_chat import (
     model_not_found,
     models_body,
 )
-from kvferry.serving.pd_protocols import EngineResolver, PDRequest, ProtocolError, translate
-from kvferry.serving.protocol import (
+from kvferry.serving.openai_shapes import (
     COMPLETION_200,
     METRICS_200,
     CompletionRequest,
@@ -49,6 +48,7 @@ from kvferry.serving.protocol import (
     validation_message,
 )
 from kvferry.serving.resume import TOKEN_IDS_FIELD, Resume, ResumeError, TextAssembler, parse_resume
+from kvferry.serving.router_formats import EngineResolver, PDRequest, ProtocolError, translate
 from kvferry.serving.sglang_info import install_info_routes
 
 # How often a non-streaming handler checks whether its client went away.

@@ -49,7 +49,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvferry.engine.engine import EngineBusyError
-from kvferry.serving.protocol import error_body
+from kvferry.serving.openai_shapes import error_body
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from kvferry.serving.instances import Instance, InstancePool
-from kvferry.serving.protocol import error_body
+from kvferry.serving.openai_shapes import error_body
 from kvferry.serving.resume import RESUME_FIELD, TOKEN_IDS_FIELD
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvferry.serving.protocol import check_json_safe, error_body, usage
+from kvferry.serving.openai_shapes import check_json_safe, error_body, usage
 
 
 class TextPart(BaseModel):

@@ -25,7 +25,7 @@ from kvferry.serving import migrate
 from kvferry.serving.api_server import install_error_handlers
 from kvferry.serving.instances import CHECK_INTERVAL_S, Instance, InstancePool, PrefillTarget
 from kvferry.serving.openai_chat import ChatCompletionRequest
-from kvferry.serving.protocol import (
+from kvferry.serving.openai_shapes import (
     COMPLETION_200,
     METRICS_200,
     CompletionRequest,

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvferry.connector.params import KVParamsShapeError, check_kv_transfer_params
 from kvferry.serving.instances import Instance, InstancePool, PrefillTarget
 from kvferry.serving.migrate import Migration, is_aborted
-from kvferry.serving.protocol import error_body
+from kvferry.serving.openai_shapes import error_body
 
 # Not relayed from D: hop-by-hop headers, and the ones the proxy's own server sets (no duplicates).
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}

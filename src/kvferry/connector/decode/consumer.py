@@ -27,8 +27,8 @@ from kvferry.connector.bootstrap import (
     lookup_uniform,
 )
 from kvferry.connector.decode.dealer import Dealer, Dealers
+from kvferry.connector.decode.landed import Landed, p_working_since, stall_stage
 from kvferry.connector.decode.liveness import DelayEstimator
-from kvferry.connector.decode.progress import Landed, p_working_since, stall_stage
 from kvferry.connector.decode.pulls import (
     LEASE_HEARTBEATS,
     ConsumerConfig,

@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from kvferry.connector.layout import KVLayout, LayoutDescription, StridedSegment, strided_block_runs
-from kvferry.integrations.vllm_groups import KVGroups
+from kvferry.integrations.vllm.groups import KVGroups
 from kvferry.transfer.base import ByteRange
 
 
@@ -161,7 +161,7 @@ class VllmKVLayout(KVLayout):
         self._set_groups(groups)
 
     def _set_groups(self, groups: KVGroups | None) -> None:
-        """vLLM's KV cache groups (vllm_groups.py): block id g * pool_blocks + b is block b of group g's
+        """vLLM's KV cache groups (groups.py): block id g * pool_blocks + b is block b of group g's
         layers; with one full-attention group the ids are vLLM's."""
         self.groups, self.pool_blocks = groups, self.num_blocks
         self._group_pairs = [self._pairs]  # per group: its layers' (KV cache, host tensor)

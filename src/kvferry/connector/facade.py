@@ -1,5 +1,5 @@
 """`PDConnector`: kvferry's P/D `KVConnector`, a thin facade per role, as vLLM's `nixl/connector.py`:
-it builds only its role's half, the scheduler half (`pd.py`) or the worker half (`pd_worker.py`), and
+it builds only its role's half, the scheduler half (`scheduler.py`) or the worker half (`worker.py`), and
 every method forwards to it. A call meant for the other role is a wiring bug and raises `WrongRole`.
 """
 
@@ -18,13 +18,14 @@ from kvferry.connector.base import (
     SchedulerOutputLike,
 )
 from kvferry.connector.bootstrap import BootstrapServer
+from kvferry.connector.config import PDConfig
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.layout import KVCacheSpec, KVLayout
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pd import PDConfig, PDScheduler
-from kvferry.connector.pd_worker import PDWorker
 from kvferry.connector.prefill.producer import Producer
+from kvferry.connector.scheduler import PDScheduler
+from kvferry.connector.worker import PDWorker
 from kvferry.transfer.base import TransferEngine
 
 

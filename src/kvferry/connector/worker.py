@@ -10,12 +10,13 @@ import numpy as np
 
 from kvferry.connector.base import ConnectorMetadata
 from kvferry.connector.bootstrap import BootstrapClient, BootstrapServer, Registration
+from kvferry.connector.config import PDConfig
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.pulls import ConsumerConfig
 from kvferry.connector.layout import KVCacheSpec, KVLayout, PagedKVLayout
 from kvferry.connector.messages import FirstToken
+from kvferry.connector.metadata import PDMetadata
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.pd import PDConfig, PDMetadata
 from kvferry.connector.prefill.producer import Producer
 from kvferry.transfer.addr import join_addr
 from kvferry.transfer.base import TransferEngine

@@ -12,8 +12,8 @@ from typing import Any
 
 from kvferry.connector.auth import deployment_secret, is_loopback
 from kvferry.connector.bootstrap import PrefillAllowList
+from kvferry.connector.config import PDConfig
 from kvferry.connector.faults import FaultSpec
-from kvferry.connector.pd import PDConfig
 
 # A child of the integration's logger (kvferry.integrations.vllm): one name to configure for all of it.
 log = logging.getLogger("kvferry.integrations.vllm.settings")

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvferry.connector.bootstrap import Registration
-from kvferry.connector.pd import PDMetadata
+from kvferry.connector.metadata import PDMetadata
 
 
 @dataclass
@@ -38,7 +38,7 @@ class KVFerryConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 @dataclass
 class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Worker → scheduler, once per step: why loads failed (request id → (cause, message)), and per
-    request how many ranks quarantined its blocks or released them (vllm_quarantine.py)."""
+    request how many ranks quarantined its blocks or released them (quarantine.py)."""
 
     causes: dict[str, tuple[str, str]] = field(default_factory=dict)
     quarantined: dict[str, int] = field(default_factory=dict)

@@ -1,9 +1,8 @@
-"""The P/D connector's configuration, the per-step metadata its scheduler half sends its worker half,
-and the scheduler half: what to send (P) or pull (D), and which transfer ids are live on P.
+"""The P/D connector's scheduler half: what to send (P) or pull (D), and which transfer ids are live on P.
 
-As in vLLM, the two halves only talk through the per-step `PDMetadata`, so they could live in
-different processes (the worker half is `pd_worker.py`, the `KVConnector` facade `pd_connector.py`).
-kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md).
+As in vLLM, the two halves only talk through the per-step `PDMetadata` (metadata.py), so they could live
+in different processes (the worker half is `worker.py`, the `KVConnector` facade `facade.py`, the
+configuration `config.py`). kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md).
 """
 
 from __future__ import annotations
@@ -11,111 +10,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.connector.auth import deployment_secret, prompt_digest
+from kvferry.connector.auth import prompt_digest
 from kvferry.connector.base import AdmissionError, ConnectorMetadata, RequestLike, SchedulerOutputLike
 from kvferry.connector.bootstrap import PrefillAllowList
-from kvferry.connector.decode.pulls import ConsumerConfig, PullSpec
-from kvferry.connector.faults import FaultSpec
-from kvferry.connector.messages import FirstToken
+from kvferry.connector.config import PDConfig
+from kvferry.connector.decode.pulls import PullSpec
+from kvferry.connector.metadata import Dead, PDMetadata, Progress, SendSpec
 from kvferry.connector.metrics import Metrics
 from kvferry.transfer.addr import join_addr
-
-
-@dataclass(frozen=True)
-class PDConfig:
-    """The home of each P/D default: `kvferry serve`'s flags and vLLM's `KVFerrySettings` read them
-    from here, and the decode side's come from `ConsumerConfig`."""
-
-    role: str  # "prefill" | "decode"
-    engine_id: str
-    host: str = "127.0.0.1"
-    tp_size: int = ConsumerConfig.tp_size
-    # None: this process serves every rank (kvferry's engine); r: only rank r (a vLLM worker), and its
-    # bootstrap registration is handed to whoever runs the bootstrap server (`PDWorker.registrations`).
-    tp_rank: int | None = None
-    block_size: int = 16
-    bootstrap_port: int = 8998
-    abort_timeout_s: float = 30.0
-    kv_load_deadline_s: float = ConsumerConfig.kv_load_deadline_s
-    transfer: str = "tcp"
-    checksums: bool = ConsumerConfig.checksums
-    faults: FaultSpec = field(default_factory=FaultSpec)
-    heartbeat_interval_s: float = ConsumerConfig.heartbeat_interval_s
-    # 0: no heartbeats and no connection watch (timeouts only)
-    heartbeat_timeout_s: float = ConsumerConfig.heartbeat_timeout_s
-    # A slow P is waited on (and a lagging D's lease asked for) up to this; ≤ timeout: fixed thresholds.
-    heartbeat_ceiling_s: float = ConsumerConfig.heartbeat_ceiling_s
-    # Seals control messages and bootstrap answers, keys the data plane (docs/security.md).
-    secret: bytes | None = field(default_factory=deployment_secret, repr=False, compare=False)
-    # decode: the hosts whose bootstrap servers D may ask; a bootstrap lookup fails after the timeout
-    prefill_allow: tuple[str, ...] = ConsumerConfig.prefill_allow
-    bootstrap_timeout_s: float = ConsumerConfig.bootstrap_timeout_s
-    # Fixed ports for firewalls (rank r uses base + r; 0: the kernel picks) and the host peers are told
-    # to dial when it is not `host` (a 0.0.0.0 bind, NAT, a Kubernetes Service).
-    control_port: int = 0
-    data_port: int = 0
-    advertise_host: str = ""
-    # P: a prompt of at least this many tokens goes to D while its prefill runs, its blocks as each
-    # engine step completes them (`Progress`); a shorter one, or any with it off, once its prefill ended.
-    # Below 512 tokens it gains nothing (docs/results.md: the prompts one step computes at the default
-    # --max-prefill-chunk).
-    progressive_push: bool = True
-    progressive_min_tokens: int = 512
-
-    @property
-    def advertised_host(self) -> str:
-        return self.advertise_host or self.host
-
-    @property
-    def recv_timeout_s(self) -> float:
-        # Longer than P's abort timeout, so P's own "not ready" answer arrives first.
-        return self.abort_timeout_s + 5.0
-
-
-@dataclass(frozen=True)
-class SendSpec:
-    transfer_id: str
-    request_id: str
-    block_ids: list[int]
-    num_tokens: int
-    prompt_digest: str = ""
-    first_token: FirstToken | None = None
-
-
-@dataclass(frozen=True)
-class Progress:
-    """P: the prompt blocks a running prefill completed so far (whole blocks, in order), and the prompt
-    they belong to, so P checks a pull against it before writing any of them."""
-
-    transfer_id: str
-    request_id: str
-    block_ids: list[int]
-    num_tokens: int
-    prompt_digest: str
-
-
-@dataclass(frozen=True)
-class Dead:
-    """P: a request that ended without KV; `lent`: its blocks go to the producer (a partial write may read
-    them), which hands them back in finished_sending."""
-
-    transfer_id: str
-    request_id: str
-    lent: bool = False
-
-
-@dataclass
-class PDMetadata(ConnectorMetadata):
-    # (transfer_id, P request id) of requests P queued: their KV is coming
-    working: list[tuple[str, str]] = field(default_factory=list)
-    progress: list[Progress] = field(default_factory=list)
-    to_send: list[SendSpec] = field(default_factory=list)
-    dead_transfers: list[Dead] = field(default_factory=list)
-    to_pull: list[PullSpec] = field(default_factory=list)
-    finished_req_ids: set[str] = field(default_factory=set)
 
 
 class PDScheduler:

@@ -5,7 +5,7 @@ ends) and what it hears back from the worker (sends ended, loads failed, and why
 vLLM's `Request` and `SchedulerOutput` reach kvferry's `PDConnector` through two small views
 (`RequestLike`, `SchedulerOutputLike`); kv_transfer_params that can never work read as None, logged once.
 With vLLM's hybrid allocator the block ids of every KV cache group become one list of kvferry's virtual
-block ids, the same positions on P and D (vllm_groups.py).
+block ids, the same positions on P and D (groups.py).
 """
 
 from __future__ import annotations
@@ -17,25 +17,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.bootstrap import BootstrapServer
+from kvferry.connector.facade import PDConnector
 from kvferry.connector.messages import FirstToken
+from kvferry.connector.metadata import PDMetadata
 from kvferry.connector.params import (
     KVTransferParamsError,
     RouterParamsError,
     normalize_kv_transfer_params,
     validate_kv_transfer_params,
 )
-from kvferry.connector.pd import PDMetadata
-from kvferry.connector.pd_connector import PDConnector
-from kvferry.integrations.vllm_groups import KVGroups
-from kvferry.integrations.vllm_metadata import (
+from kvferry.integrations.vllm.groups import KVGroups
+from kvferry.integrations.vllm.metadata import (
     KVFerryConnectorMetadata,
     KVFerryHandshake,
     KVFerryWorkerMetadata,
 )
-from kvferry.integrations.vllm_metrics import KVFerryStats
-from kvferry.integrations.vllm_progress import ProgressTracker
-from kvferry.integrations.vllm_quarantine import BlockQuarantine
-from kvferry.integrations.vllm_settings import DECODE, PREFILL
+from kvferry.integrations.vllm.metrics import KVFerryStats
+from kvferry.integrations.vllm.progress import ProgressTracker
+from kvferry.integrations.vllm.quarantine import BlockQuarantine
+from kvferry.integrations.vllm.settings import DECODE, PREFILL
 
 log = logging.getLogger("kvferry.integrations.vllm.scheduler")
 
@@ -101,9 +101,9 @@ class KVFerryScheduler:
         self.queued: OrderedDict[str, None] = OrderedDict()
         self._warned_local = False
         self.bootstrap_server: BootstrapServer | None = None
-        # D: blocks a posted read may still write stay out of vLLM's pool (vllm_quarantine.py)
+        # D: blocks a posted read may still write stay out of vLLM's pool (quarantine.py)
         self.quarantine = BlockQuarantine()
-        # P: long prompts go to D while vLLM's chunked prefill computes them (vllm_progress.py)
+        # P: long prompts go to D while vLLM's chunked prefill computes them (progress.py)
         self.progress = ProgressTracker(pd[PREFILL], groups, self._view) if PREFILL in pd else None
 
     # ---- once at start ------------------------------------------------------------------------------

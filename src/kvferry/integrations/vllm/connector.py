@@ -7,13 +7,13 @@
 Both roles delegate to kvferry's `PDConnector`: `kv_producer` → its prefill side, `kv_consumer` → its
 decode side, `kv_both` → one of each, chosen per request by its kv_transfer_params (`do_remote_decode`
 → prefill side, `do_remote_prefill` → decode side). kvferry settings come from
-`kv_connector_extra_config` (see `KVFerrySettings`). Only `kvferry.integrations.vllm*` import vLLM;
+`kv_connector_extra_config` (see `KVFerrySettings`). Only `kvferry.integrations.vllm` imports vLLM;
 `import kvferry` never does.
 
 This module is the facade vLLM loads (as vLLM's own NixlConnector): each call goes to the half that owns
-it, `KVFerryScheduler` (vllm_scheduler.py, in the engine core) or `KVFerryWorker` (vllm_worker.py, in
-the worker); vllm_settings.py reads the settings, vllm_metadata.py is what the halves send each other,
-vllm_layout.py maps vLLM's KV cache for kvferry, vllm_affinity.py places kvferry's threads.
+it, `KVFerryScheduler` (scheduler.py, in the engine core) or `KVFerryWorker` (worker.py, in
+the worker); settings.py reads the settings, metadata.py is what the halves send each other,
+layout.py maps vLLM's KV cache for kvferry, affinity.py places kvferry's threads.
 
 What vLLM's scheduler requires, and how it is met here:
 - each finished id is reported once per direction, and only ids vLLM still holds: the worker reports a
@@ -24,7 +24,7 @@ What vLLM's scheduler requires, and how it is met here:
   (`get_block_ids_with_load_errors`), so `kv_load_failure_policy` decides: `fail` → FINISHED_ERROR,
   `recompute` → computed tokens cut at the first invalid block;
 - `SupportsHMA` (vLLM's hybrid allocator stays on): `request_finished_all_groups` gets every KV cache
-  group's block ids, and the pull carries each group's blocks (vllm_groups.py): all prompt blocks of a
+  group's block ids, and the pull carries each group's blocks (groups.py): all prompt blocks of a
   full-attention group, of a sliding-window group only those in the window (vLLM points the rest at its
   null block). With several groups vLLM 0.33 refuses block-level load errors, so a failed load is the
   request in `failed_recving` (`get_transfer_results`): `fail` ends it, `recompute` computes its whole
@@ -63,25 +63,25 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "`bash .ci/vllm-env.sh`, or `pip install 'kvferry[vllm]'`"
     ) from exc
 
+import kvferry.integrations.vllm.worker as vllm_worker
 from kvferry.connector.base import ConnectorRole
-from kvferry.connector.pd_connector import PDConnector
-from kvferry.integrations import vllm_worker
-from kvferry.integrations.vllm_groups import KVGroups
-from kvferry.integrations.vllm_layout import VllmKVLayout
-from kvferry.integrations.vllm_metadata import (
+from kvferry.connector.facade import PDConnector
+from kvferry.integrations.vllm.groups import KVGroups
+from kvferry.integrations.vllm.layout import VllmKVLayout
+from kvferry.integrations.vllm.metadata import (
     KVFerryConnectorMetadata,
     KVFerryHandshake,
     KVFerryWorkerMetadata,
 )
-from kvferry.integrations.vllm_metrics import KVFerryPromMetrics, KVFerryStats
-from kvferry.integrations.vllm_scheduler import KVFerryScheduler
-from kvferry.integrations.vllm_settings import KVFerrySettings, is_mla, kvferry_roles
-from kvferry.integrations.vllm_worker import KVFerryWorker
+from kvferry.integrations.vllm.metrics import KVFerryPromMetrics, KVFerryStats
+from kvferry.integrations.vllm.scheduler import KVFerryScheduler
+from kvferry.integrations.vllm.settings import KVFerrySettings, is_mla, kvferry_roles
+from kvferry.integrations.vllm.worker import KVFerryWorker
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvferry.integrations.vllm")  # the integration's logger, its modules' parent
 
 
 class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -96,7 +96,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra
         )
         self.block_size = int(vllm_config.cache_config.block_size)
-        # vLLM's KV cache groups (hybrid allocator): which blocks of which layers move (vllm_groups.py)
+        # vLLM's KV cache groups (hybrid allocator): which blocks of which layers move (groups.py)
         self.groups = None if kv_cache_config is None else KVGroups.from_config(kv_cache_config, self.block_size)
         self.num_blocks = 0 if kv_cache_config is None else int(kv_cache_config.num_blocks)
         is_scheduler = role == KVConnectorRole.SCHEDULER
@@ -169,7 +169,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._scheduler().quarantine.bind(kv_cache_manager)  # vllm_quarantine.py
+        self._scheduler().quarantine.bind(kv_cache_manager)  # quarantine.py
 
     def get_kv_connector_stats(self) -> KVFerryStats | None:
         """Failures since the last call (scheduler side; the worker's connector has none)."""
@@ -197,7 +197,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return  # loads are asynchronous, between steps
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # P's writes read whole blocks after the step (vllm_progress.py); nothing to save per layer
+        return  # P's writes read whole blocks after the step (progress.py); nothing to save per layer
 
     def wait_for_save(self) -> None:
         self._worker().wait_for_save()

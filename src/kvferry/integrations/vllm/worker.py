@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvferry.connector.pd_connector import PDConnector
-from kvferry.integrations.vllm_affinity import connector_affinity, cpu_list
-from kvferry.integrations.vllm_groups import KVGroups
-from kvferry.integrations.vllm_layout import VllmKVLayout
-from kvferry.integrations.vllm_metadata import (
+from kvferry.connector.facade import PDConnector
+from kvferry.integrations.vllm.affinity import connector_affinity, cpu_list
+from kvferry.integrations.vllm.groups import KVGroups
+from kvferry.integrations.vllm.layout import VllmKVLayout
+from kvferry.integrations.vllm.metadata import (
     KVFerryConnectorMetadata,
     KVFerryHandshake,
     KVFerryWorkerMetadata,
 )
-from kvferry.integrations.vllm_progress import ProgressGate
-from kvferry.integrations.vllm_quarantine import WorkerQuarantine
-from kvferry.integrations.vllm_settings import DECODE, PREFILL, KVFerrySettings
+from kvferry.integrations.vllm.progress import ProgressGate
+from kvferry.integrations.vllm.quarantine import WorkerQuarantine
+from kvferry.integrations.vllm.settings import DECODE, PREFILL, KVFerrySettings
 
 if TYPE_CHECKING:
     import torch
@@ -60,10 +60,10 @@ class KVFerryWorker:
         self._expect_recv: set[str] = set()
         self._causes: dict[str, tuple[str, str]] = {}
         self._pulled: dict[str, set[int]] = {}  # per request: the blocks its pull fills (failures per request)
-        # D: failed loads whose blocks a posted read may still write (vllm_quarantine.py)
+        # D: failed loads whose blocks a posted read may still write (quarantine.py)
         self.quarantine = WorkerQuarantine(pd.get(DECODE))
         self._device: Any = None  # the KV cache's device
-        # P: a step's progressive push waits for its forward (vllm_progress.py)
+        # P: a step's progressive push waits for its forward (progress.py)
         self.gate = ProgressGate(pd[PREFILL], lambda: self._device) if PREFILL in pd else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvferry.connector.base import RequestLike
-from kvferry.connector.pd import PDMetadata, Progress
-from kvferry.connector.pd_connector import PDConnector
-from kvferry.integrations.vllm_groups import KVGroups
+from kvferry.connector.facade import PDConnector
+from kvferry.connector.metadata import PDMetadata, Progress
+from kvferry.integrations.vllm.groups import KVGroups
 
 log = logging.getLogger("kvferry.integrations.vllm.progress")
 

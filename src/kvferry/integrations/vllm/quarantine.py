@@ -27,8 +27,8 @@ import logging
 from collections import Counter
 from typing import Any
 
-from kvferry.connector.pd_connector import PDConnector
-from kvferry.integrations.vllm_metadata import KVFerryWorkerMetadata
+from kvferry.connector.facade import PDConnector
+from kvferry.integrations.vllm.metadata import KVFerryWorkerMetadata
 
 log = logging.getLogger("kvferry.integrations.vllm.quarantine")
 
