@@ -130,6 +130,14 @@ class TPCluster:
                 s.wait_healthy()
         return d, self.p_tp1[1], ref
 
+    def stop_p_tp1(self) -> None:
+        """The TP 1 P and its proxy are done with: their processes leave the 2 cores to the rest."""
+        if self.p_tp1 is not None:
+            for s in self.p_tp1:
+                s.stop()
+            self.stopped.extend(self.p_tp1)
+            self.p_tp1 = None
+
     def stop(self) -> None:
         extra = [self.recompute] if self.recompute is not None else []
         extra += list(self.p_tp1) if self.p_tp1 is not None else []
@@ -177,8 +185,16 @@ def check_pd(d: Server, proxy: Server, ref: Server, model: str, shape: str, seed
     print(f"{shape}: {len(diff)} of {len(prompts)} answers differ from colocated; {pulled:.0f} prompt tokens pulled")
 
 
-# P TP 2 -> D TP 2 restarts D and its reference at TP 2 (about 2 more minutes on 2 cores).
-D_TPS = [1, 2]
+def test_p_tp1_to_d_tp2_through_the_proxy_matches_colocated_at_tp2(tp: TPCluster) -> None:
+    """Issue 30.4, the other mismatch: each D rank pulls its KV head from the one P rank that holds both.
+    First in the module, then P TP 2 -> D TP 2 on the same D set: each D set starts once."""
+    d, proxy, ref = tp.from_p_tp1()
+    check_pd(d, proxy, ref, tp.model, "P TP 1 -> D TP 2", 120)
+    tp.stop_p_tp1()
+
+
+# D at TP 2 first (the set the test above started), then at TP 1, which the kill tests keep.
+D_TPS = [2, 1]
 
 
 @pytest.mark.parametrize("d_tp", D_TPS)
@@ -242,10 +258,3 @@ def test_kill9_of_one_p_rank_mid_transfer_recompute_gives_the_colocated_answer(t
     print(f"kill -9 of P rank 1 mid-transfer, recompute: D answered {delay:.2f}s after the kill")
     wait_until(lambda: d.metric("vllm:kv_cache_usage_perc") == 0, 30, "D to free its blocks")
     assert d.metric("kvferry:kv_load_failures_total", cause="peer_dead") >= 1
-
-
-def test_p_tp1_to_d_tp2_through_the_proxy_matches_colocated_at_tp2(tp: TPCluster) -> None:
-    """Issue 30.4, the other mismatch: each D rank pulls its KV head from the one P rank that holds both.
-    Last in the module: it moves D to TP 2, which the kill tests (D at TP 1) would undo."""
-    d, proxy, ref = tp.from_p_tp1()
-    check_pd(d, proxy, ref, tp.model, "P TP 1 -> D TP 2", 120)
