@@ -212,31 +212,46 @@ def rank_pid(p: Server, rank: int) -> int:
     raise AssertionError(f"no TP worker {rank} in {p.worker_pids()}")
 
 
-def kill_rank1_mid_transfer(tp: TPCluster, d: Server, prompt: str) -> tuple[httpx.Response, float]:
-    """P (restarted with every write held SLOW_WRITE_S by the `slow` fault) prefills `prompt`; D pulls it;
-    P rank 1's worker process alone is killed inside the write. Returns D's answer and its delay after the
-    kill."""
-    p = tp.restart_p(f"slow={SLOW_WRITE_S * 1000:.0f}")
-    params = prefill_on_p(p, tp.model, prompt, f"xfer-{uuid.uuid4()}")
-    sent = time.monotonic()
-    future = in_background(lambda: (completion(d.url, tp.model, prompt, kv_transfer_params=params,
-                                               timeout=STARVED_S), time.monotonic()))
-    wait_until(lambda: d.metric("vllm:num_requests_waiting") >= 1, 60, "D to wait for the KV")
-    time.sleep(0.3)  # P's write has begun: the pull leaves D as the request starts waiting
-    # The write began after `sent`: a kill later than SLOW_WRITE_S after it could come after the write.
-    assert time.monotonic() - sent < SLOW_WRITE_S - 1, "the harness was too slow to kill inside the write"
-    assert not future.done()
-    os.kill(rank_pid(p, 1), signal.SIGKILL)
-    killed = time.monotonic()
-    response, answered = future.result(timeout=STARVED_S)
-    return response, answered - killed
+class Killed:
+    """One kill of P rank 1 inside the writes of two pulls at once: D at TP 1 with `fail` and D with
+    `recompute` (one P restart serves both tests)."""
+
+    def __init__(self, tp: TPCluster) -> None:
+        d_fail, _, _ = tp.for_d_tp(1)
+        d_recompute = tp.d_recompute()
+        self.prompts = {"fail": prompt_of(350, 91), "recompute": prompt_of(350, 93)}
+        p = tp.restart_p(f"slow={SLOW_WRITE_S * 1000:.0f}")
+        params = {k: prefill_on_p(p, tp.model, q, f"xfer-{uuid.uuid4()}") for k, q in self.prompts.items()}
+        sent = time.monotonic()
+        futures = {k: in_background(lambda d=d, k=k: (completion(d.url, tp.model, self.prompts[k],
+                                                                 kv_transfer_params=params[k], timeout=STARVED_S),
+                                                      time.monotonic()))
+                   for k, d in (("fail", d_fail), ("recompute", d_recompute))}
+        for d in (d_fail, d_recompute):
+            wait_until(lambda d=d: d.metric("vllm:num_requests_waiting") >= 1, 60, "D to wait for the KV")
+        time.sleep(0.3)  # P's writes have begun: a pull leaves D as its request starts waiting
+        # The writes began after `sent`: a kill later than SLOW_WRITE_S after it could come after them.
+        assert time.monotonic() - sent < SLOW_WRITE_S - 1, "the harness was too slow to kill inside the writes"
+        assert not any(f.done() for f in futures.values())
+        os.kill(rank_pid(p, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        self.answers: dict[str, tuple[httpx.Response, float]] = {}
+        for k, f in futures.items():
+            response, answered = f.result(timeout=STARVED_S)
+            self.answers[k] = (response, answered - killed)
 
 
-def test_kill9_of_one_p_rank_mid_transfer_fails_the_request_at_once_and_leaves_d_clean(tp: TPCluster) -> None:
+@pytest.fixture(scope="module")
+def killed(tp: TPCluster) -> Killed:
+    return Killed(tp)
+
+
+def test_kill9_of_one_p_rank_mid_transfer_fails_the_request_at_once_and_leaves_d_clean(
+        tp: TPCluster, killed: Killed) -> None:
     """Issue 30.4, `fail`: D's client gets its error within the bound of a killed P (the rank's connection
     closes), D frees the request's blocks and serves the next request itself."""
     d, _, ref = tp.for_d_tp(1)
-    response, delay = kill_rank1_mid_transfer(tp, d, prompt_of(350, 91))
+    response, delay = killed.answers["fail"]
     assert response.status_code >= 400 or response.json()["choices"][0]["finish_reason"] == "error", response.text
     assert delay <= KILLED_S, f"D's client got its error {delay:.2f}s after the kill"
     print(f"kill -9 of P rank 1 mid-transfer: D's client got its error {delay:.2f}s after the kill")
@@ -247,14 +262,13 @@ def test_kill9_of_one_p_rank_mid_transfer_fails_the_request_at_once_and_leaves_d
         tokens(completion(ref.url, tp.model, nxt, timeout=STARVED_S))
 
 
-def test_kill9_of_one_p_rank_mid_transfer_recompute_gives_the_colocated_answer(tp: TPCluster) -> None:
+def test_kill9_of_one_p_rank_mid_transfer_recompute_gives_the_colocated_answer(tp: TPCluster, killed: Killed) -> None:
     """Issue 30.4, `recompute`: D computes what the dead rank never delivered itself (at TP 1, as the
     reference does), so its answer equals the colocated server's token for token."""
     _, _, ref = tp.for_d_tp(1)
     d = tp.d_recompute()
-    prompt = prompt_of(350, 93)
-    response, delay = kill_rank1_mid_transfer(tp, d, prompt)
-    assert tokens(response) == tokens(completion(ref.url, tp.model, prompt, timeout=STARVED_S))
+    response, delay = killed.answers["recompute"]
+    assert tokens(response) == tokens(completion(ref.url, tp.model, killed.prompts["recompute"], timeout=STARVED_S))
     print(f"kill -9 of P rank 1 mid-transfer, recompute: D answered {delay:.2f}s after the kill")
     wait_until(lambda: d.metric("vllm:kv_cache_usage_perc") == 0, 30, "D to free its blocks")
     assert d.metric("kvferry:kv_load_failures_total", cause="peer_dead") >= 1
