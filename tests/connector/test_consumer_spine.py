@@ -20,6 +20,7 @@ from kvferry.connector.bootstrap import FAIL_AFTER_S, REFUSED, BootstrapServer, 
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.pulls import ConsumerConfig, PullMeta, PullSpec
 from kvferry.connector.layout import KVCacheSpec, PagedKVLayout, overlap, write_ops
+from kvferry.connector.loads import LoadCause
 from kvferry.connector.messages import PullRequest, PullResponse, Status, decode_inbound, encode
 from kvferry.connector.metrics import Metrics
 from kvferry.transfer.tcp.engine import TcpTransferEngine
@@ -322,8 +323,8 @@ def test_same_request_failed_twice_is_counted_and_reported_once(rig: Rig) -> Non
     rig.pull("r", D_BLOCKS)
     rig.ranks[0].recv_pull()
     pull: PullMeta = rig.on_loop(lambda: rig.consumer._pulls["r"])
-    rig.on_loop(lambda: rig.consumer._handle_failed_recv([pull], "peer_dead", "gone"))
-    rig.on_loop(lambda: rig.consumer._handle_failed_recv([pull, pull], "transport", "again"))
+    rig.on_loop(lambda: rig.consumer._handle_failed_recv([pull], LoadCause.PEER_DEAD, "gone"))
+    rig.on_loop(lambda: rig.consumer._handle_failed_recv([pull, pull], LoadCause.TRANSPORT, "again"))
     rig.wait_finished("r")
     time.sleep(0.05)
     rig.drain()  # a second report would trip the assertion in drain()
@@ -414,7 +415,7 @@ def test_outbox_stays_bounded_through_10000_failures(rig: Rig) -> None:
             spec = PullSpec(f"r{i}", f"x{i}", [i % SPEC.num_blocks], ENGINE_ID, rig.bootstrap_addr, 4)
             meta = PullMeta(spec, time.monotonic(), time.monotonic() + 60)
             rig.consumer._pulls[spec.request_id] = meta
-            rig.consumer._handle_failed_recv([meta], "transport", "boom")
+            rig.consumer._handle_failed_recv([meta], LoadCause.TRANSPORT, "boom")
 
     total = 0
     for start in range(0, 10_000, 500):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvferry.connector.fake import LoadPlan, ScriptedConnector
+from kvferry.connector.loads import LoadReport
 from kvferry.connector.messages import FirstToken
 from kvferry.engine.engine import Engine, EngineConfig, RequestOutput
 from kvferry.engine.model import ModelConfig, TinyLlama
@@ -289,7 +290,8 @@ def test_an_abort_reported_quarantined_keeps_its_blocks_until_the_release() -> N
 def test_unknown_ids_from_the_connector_are_ignored_and_counted(model: TinyLlama) -> None:
     engine, connector = make_engine()
     col = Collector()
-    connector.inject(1, finished_recving={"ghost-1"}, finished_sending={"ghost-2"}, invalid_block_ids={7})
+    connector.inject(1, finished_recving={"ghost-1"}, finished_sending={"ghost-2"},
+                     loads={"ghost-3": LoadReport("ghost-3", (7,))})
     ids = prompt(20)
     submit(engine, col, "r", ids)
     engine.run_until_idle()

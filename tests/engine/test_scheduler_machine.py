@@ -179,8 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(ch.num_tokens for ch in out.chunks) <= s.config.max_num_batched_tokens
         sampled = {ch.request.request_id: TOKEN for ch in out.chunks if ch.start_pos + ch.num_tokens == ch.request.num_tokens}
         sending, recving = c.get_finished(out.finished_req_ids)
-        worker = WorkerResult(sending, recving, c.get_block_ids_with_load_errors(), c.get_failure_causes(),
-                              quarantined=c.get_quarantined())
+        worker = WorkerResult(sending, recving, c.take_load_reports())
         for request in s.update(out, sampled, worker):
             if not request.is_finished and len(request.output_token_ids) >= request.sampling_params.max_tokens:
                 s.finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)

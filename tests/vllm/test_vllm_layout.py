@@ -267,7 +267,7 @@ def pull_and_read_at_once(device: str) -> None:
             got = {name: d_caches[name][dst].clone() for name in d_caches}  # as a forward launched right now
         if forward is not None:
             forward.synchronize()
-        assert not d.get_failure_causes() and not d.get_block_ids_with_load_errors()
+        assert not [load for load in d.take_load_reports() if load.cause or load.block_ids]
         for name in d_caches:
             assert torch.equal(got[name].cpu(), want[name]), f"{name}: D's blocks were not in place when reported"
         untouched = [b for b in range(blocks) if b not in dst]

@@ -49,7 +49,7 @@ class _Setup:
             c.start_load_kv(c.build_connector_meta(out))
             sampled = {ch.request.request_id: 7 for ch in out.chunks if ch.start_pos + ch.num_tokens == ch.request.num_tokens}
             sending, recving = c.get_finished(out.finished_req_ids)
-            s.update(out, sampled, WorkerResult(sending, recving, c.get_block_ids_with_load_errors(), c.get_failure_causes()))
+            s.update(out, sampled, WorkerResult(sending, recving, c.take_load_reports()))
             if record:
                 self.durations.append(time.perf_counter() - t0)
 

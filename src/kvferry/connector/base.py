@@ -1,8 +1,8 @@
 """The connector interface, shaped like vLLM's `KVConnectorBase_V1`, split by role.
 
 The scheduler role runs inside the engine-core thread and decides *what* to transfer; the worker role
-moves the bytes and reports, once per step, which requests finished sending or receiving and which
-blocks failed to load. The connector never imports the scheduler: what it needs of a request and of a
+moves the bytes and reports, once per step, which requests finished sending or receiving and what each
+finished load lost (`LoadReport`). The connector never imports the scheduler: what it needs of a request and of a
 scheduler step is stated here as Protocols that the engine's types satisfy.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 from kvferry.connector.layout import KVCacheSpec
 
 if TYPE_CHECKING:
+    from kvferry.connector.loads import LoadReport
     from kvferry.connector.messages import FirstToken
 
 
@@ -126,31 +127,20 @@ class KVConnector(abc.ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call."""
 
-    @abc.abstractmethod
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Drain the block ids that failed to load since the last call."""
-
-    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
-        """Drain request id → (cause, message) for failed loads since the last call."""
-        return {}
+    def take_load_reports(self) -> list[LoadReport]:
+        """Drain the reports of the loads in the last `get_finished`'s finished_recving that have something
+        to say: the blocks lost and why, P's first token (the scheduler may emit it instead of computing
+        the last prompt position again), quarantine. At most one per request, never after its
+        finished_recving."""
+        return []
 
     def quarantine_loads(self) -> bool:
-        """The host can quarantine: for a request in `get_quarantined` it keeps the blocks out of its pool,
-        owned by no request, until the id comes back in finished_sending, and never computes into them
+        """The host can quarantine: for a `LoadReport.quarantined` request it keeps the blocks out of its
+        pool, owned by no request, until the id comes back in finished_sending, and never computes into them
         meanwhile. A worker whose reads may outlive a failed load (a frozen peer holds them) then reports
         the failure at once and returns True; by default, and towards a host that never calls this, it
         reports such a failure only once its reads ended."""
         return False
-
-    def get_quarantined(self) -> set[str]:
-        """Drain the ids, among the last `get_finished`'s finished_recving, whose blocks a posted read may
-        still write (only after `quarantine_loads` returned True)."""
-        return set()
-
-    def get_first_tokens(self) -> dict[str, FirstToken]:
-        """Drain request id → the first token P sampled, for loads finished since the last call: the
-        scheduler may emit it instead of computing the last prompt position again."""
-        return {}
 
     def set_waker(self, wake: Callable[[], None]) -> bool:
         """The engine's wake-up: a worker that calls it whenever it has something for the engine to
@@ -188,6 +178,3 @@ class NoOpConnector(KVConnector):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return set(), set()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()

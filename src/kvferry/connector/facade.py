@@ -21,7 +21,7 @@ from kvferry.connector.bootstrap import BootstrapServer
 from kvferry.connector.config import PDConfig
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.layout import KVCacheSpec, KVLayout
-from kvferry.connector.messages import FirstToken
+from kvferry.connector.loads import LoadReport
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer
 from kvferry.connector.scheduler import PDScheduler
@@ -107,20 +107,11 @@ class PDConnector(KVConnector):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return self.worker.get_finished(finished_req_ids)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors()
-
-    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
-        return self.worker.get_failure_causes()
-
-    def get_first_tokens(self) -> dict[str, FirstToken]:
-        return self.worker.get_first_tokens()
+    def take_load_reports(self) -> list[LoadReport]:
+        return self.worker.take_load_reports()
 
     def quarantine_loads(self) -> bool:
         return self.worker.quarantine_loads()
-
-    def get_quarantined(self) -> set[str]:
-        return self.worker.get_quarantined()
 
     def set_waker(self, wake: Callable[[], None]) -> bool:
         return self.worker.set_waker(wake)

@@ -5,6 +5,7 @@ Both roles live in one object. Steps are counted by `get_finished` calls (once p
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from kvferry.connector.base import (
     RequestLike,
     SchedulerOutputLike,
 )
+from kvferry.connector.loads import LoadCause, LoadReport
 from kvferry.connector.messages import FirstToken
 
 # Called when a planned load completes, with the request's local block ids, to fill the KV cache.
@@ -42,11 +44,8 @@ class LoadPlan:
 class _Event:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-    failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    loads: dict[str, LoadReport] = field(default_factory=dict)
     fills: list[tuple[FillFn, list[int]]] = field(default_factory=list)
-    first_tokens: dict[str, FirstToken] = field(default_factory=dict)
-    quarantined: set[str] = field(default_factory=set)
 
 
 class ScriptedConnector(KVConnector):
@@ -115,14 +114,14 @@ class ScriptedConnector(KVConnector):
             return
         event = self._events[self.step + plan.after_steps]
         event.finished_recving.add(request.request_id)
+        cause, detail = plan.cause or (None, "")
+        load = LoadReport(request.request_id, tuple(block_ids[i] for i in plan.invalid_block_indices),
+                          None if cause is None else LoadCause(cause), detail, plan.first_token)
+        if load.failed or load.first_token is not None:
+            event.loads[request.request_id] = load
         self._quarantine(request.request_id, plan, plan.after_steps)
-        event.invalid_block_ids.update(block_ids[i] for i in plan.invalid_block_indices)
-        if plan.cause is not None:
-            event.failure_causes[request.request_id] = plan.cause
         if plan.fill is not None:
             event.fills.append((plan.fill, list(block_ids)))
-        if plan.first_token is not None:
-            event.first_tokens[request.request_id] = plan.first_token
 
     def build_connector_meta(self, scheduler_output: SchedulerOutputLike) -> ConnectorMetadata:
         # An abort of a parked load is reported back on the next step, as a real worker would.
@@ -137,7 +136,8 @@ class ScriptedConnector(KVConnector):
     def _quarantine(self, request_id: str, plan: LoadPlan, after_steps: int) -> None:
         if plan.quarantine_steps is None:
             return
-        self._events[self.step + after_steps].quarantined.add(request_id)
+        loads = self._events[self.step + after_steps].loads
+        loads[request_id] = dataclasses.replace(loads.get(request_id) or LoadReport(request_id), quarantined=True)
         release = self._events[self.step + after_steps + plan.quarantine_steps]
         release.finished_sending.add(request_id)
         if plan.late_fill is not None:
@@ -168,20 +168,13 @@ class ScriptedConnector(KVConnector):
         self._pending_loads -= event.finished_recving
         return event.finished_sending, event.finished_recving
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._current.invalid_block_ids
-
-    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
-        return self._current.failure_causes
-
-    def get_first_tokens(self) -> dict[str, FirstToken]:
-        return self._current.first_tokens
+    def take_load_reports(self) -> list[LoadReport]:
+        loads = list(self._current.loads.values())
+        self._current.loads.clear()
+        return loads
 
     def quarantine_loads(self) -> bool:
         return True
-
-    def get_quarantined(self) -> set[str]:
-        return self._current.quarantined
 
     def stats(self) -> dict[str, Any]:
         return {"pending_pulls": len(self._pending_loads)}

@@ -14,7 +14,7 @@ from kvferry.connector.config import PDConfig
 from kvferry.connector.decode.consumer import Consumer
 from kvferry.connector.decode.pulls import ConsumerConfig
 from kvferry.connector.layout import KVCacheSpec, KVLayout, PagedKVLayout
-from kvferry.connector.messages import FirstToken
+from kvferry.connector.loads import LoadReport
 from kvferry.connector.metadata import PDMetadata
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.producer import Producer
@@ -33,10 +33,7 @@ class PDWorker:
         self.consumer: Consumer | None = None
         self.bootstrap_server: BootstrapServer | None = None
         self.transfer_engines: list[TransferEngine] = []
-        self._invalid: set[int] = set()
-        self._causes: dict[str, tuple[str, str]] = {}
-        self._first_tokens: dict[str, FirstToken] = {}
-        self._quarantined: set[str] = set()
+        self._loads: list[LoadReport] = []  # of the last `get_finished`'s finished_recving
         self._quarantine = False  # the host quarantines blocks (`quarantine_loads`)
         self._waker: Callable[[], None] | None = None
 
@@ -117,31 +114,18 @@ class PDWorker:
             return self.producer.drain_finished(), set()
         if self.consumer is not None:
             r = self.consumer.outbox.drain_report()
-            self._invalid, self._causes, self._first_tokens, self._quarantined = (
-                r.invalid, r.causes, r.first_tokens, r.quarantined)
+            self._loads = list(r.loads.values())
             return r.released, r.finished  # D "sends" nothing: what comes back is quarantined blocks
         return set(), set()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid = self._invalid, set()
-        return invalid
-
-    def get_failure_causes(self) -> dict[str, tuple[str, str]]:
-        causes, self._causes = self._causes, {}
-        return causes
-
-    def get_first_tokens(self) -> dict[str, FirstToken]:
-        tokens, self._first_tokens = self._first_tokens, {}
-        return tokens
+    def take_load_reports(self) -> list[LoadReport]:
+        loads, self._loads = self._loads, []
+        return loads
 
     def quarantine_loads(self) -> bool:
         self._quarantine = True
         self._install_waker()
         return True
-
-    def get_quarantined(self) -> set[str]:
-        quarantined, self._quarantined = self._quarantined, set()
-        return quarantined
 
     def set_waker(self, wake: Callable[[], None]) -> bool:
         self._waker = wake

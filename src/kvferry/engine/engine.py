@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.connector.base import KVConnector, NoOpConnector
-from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.engine.block_pool import BlockPool
 from kvferry.engine.loader import LoadedModel, load_model
@@ -96,13 +95,14 @@ class Engine:
             max_prefill_chunk=config.max_prefill_chunk,
             max_num_seqs=config.max_num_seqs,
             kv_load_failure_policy=config.kv_load_failure_policy,
+            vocab_size=self.model.config.vocab_size,  # P's first token in any other id: D computes its own
         )
         self.scheduler = Scheduler(sched_config, self.pool, self.scheduler_connector)
         self._streams = Streams(self.metrics)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         woken = self.worker_connector.set_waker(self._wakeup.set)
-        self.worker_connector.quarantine_loads()  # the scheduler quarantines (WorkerResult.quarantined)
+        self.worker_connector.quarantine_loads()  # the scheduler quarantines (LoadReport.quarantined)
         self._poll_interval_s = _WOKEN_POLL_INTERVAL_S if woken else _POLL_INTERVAL_S
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-core-{config.engine_id}", daemon=True)
@@ -307,14 +307,7 @@ class Engine:
         finished_sending, finished_recving = self.worker_connector.get_finished(out.finished_req_ids)
         if finished_sending:
             self.scheduler_connector.transfers_ended(finished_sending)
-        report = WorkerResult(
-            finished_sending,
-            finished_recving,
-            self.worker_connector.get_block_ids_with_load_errors(),
-            self.worker_connector.get_failure_causes(),
-            self._first_tokens(),
-            self.worker_connector.get_quarantined(),
-        )
+        report = WorkerResult(finished_sending, finished_recving, self.worker_connector.take_load_reports())
         recomputed_before, unknown_before = self.scheduler.num_recomputed_tokens, self.scheduler.num_unknown_ids
         for request in self.scheduler.update(out, sampled, report):
             if not request.is_finished:
@@ -324,12 +317,6 @@ class Engine:
             self._streams.emit(request)
         self._update_gauges(recomputed_before, unknown_before)
         return out
-
-    def _first_tokens(self) -> dict[str, FirstToken]:
-        """P's first tokens for the loads that just landed, those in this model's vocabulary (for any
-        other, D computes the token itself)."""
-        vocab = self.model.config.vocab_size
-        return {r: t for r, t in self.worker_connector.get_first_tokens().items() if 0 <= t.token < vocab}
 
     def _update_gauges(self, recomputed_before: int, unknown_before: int) -> None:
         m, s = self.metrics, self.scheduler

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvferry.connector.base import KVConnector
+from kvferry.connector.loads import LoadCause, LoadReport
 from kvferry.connector.messages import FirstToken
 from kvferry.engine.block_pool import BlockPool
 from kvferry.engine.request import Request, RequestStatus
@@ -25,6 +26,7 @@ class SchedulerConfig:
     # Chunked prefill: no request computes more than this many prompt tokens in one step (cut at a block
     # edge), so decodes and short prompts run between the chunks of a long prompt. 0 = no cap.
     max_prefill_chunk: int = 256
+    vocab_size: int | None = None  # P's first token is used only if it is one of these ids (None: any)
 
 
 @dataclass
@@ -47,12 +49,8 @@ class WorkerResult:
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-    failure_causes: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # The token P sampled after the prompt, per loaded request (ids already checked against the vocab).
-    first_tokens: dict[str, FirstToken] = field(default_factory=dict)
-    # Of finished_recving: failed loads whose blocks a posted read may still write (`quarantine`).
-    quarantined: set[str] = field(default_factory=set)
+    # What the loads of finished_recving lost (blocks, cause, quarantine) or brought (P's first token).
+    loads: list[LoadReport] = field(default_factory=list)
 
 
 class Scheduler:
@@ -72,9 +70,7 @@ class Scheduler:
         # Blocks of failed loads that a read may still write: out of the pool and owned by no request
         # until the connector releases them (in finished_sending).
         self.quarantine: dict[str, list[int]] = {}
-        self._remote_block_owner: dict[int, str] = {}
-        self._first_invalid: dict[str, int] = {}  # remote request id → index of its first invalid block
-        self._failure_causes: dict[str, tuple[str, str]] = {}
+        self._loads: dict[str, LoadReport] = {}  # reported, their request not yet in finished_recving
         self._finished_since_last_step: set[str] = set()
         self.step_count = 0
         self.num_unknown_ids = 0
@@ -198,8 +194,6 @@ class Scheduler:
             request.num_external_tokens = matched
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.remote[request.request_id] = request
-            for block_id in blocks:
-                self._remote_block_owner[block_id] = request.request_id
             return True
         self.connector.update_state_after_alloc(request, [], 0)
         return True
@@ -251,39 +245,30 @@ class Scheduler:
         return touched
 
     def _apply_load_results(self, worker: WorkerResult) -> list[Request]:
-        # Failures may be reported before (never after) the request shows up in finished_recving.
-        for block_id in worker.invalid_block_ids:
-            owner = self._remote_block_owner.get(block_id)
-            if owner is None:
-                self._unknown("invalid_block_ids", str(block_id))
-                continue
-            index = self.block_tables[owner].index(block_id)
-            self._first_invalid[owner] = min(index, self._first_invalid.get(owner, index))
-        for request_id, reason in worker.failure_causes.items():
-            if request_id in self.remote:
-                self._failure_causes[request_id] = reason
+        # A load's report may come before (never after) its request shows up in finished_recving.
+        for load in worker.loads:
+            if load.request_id in self.remote:
+                self._loads[load.request_id] = load
+            else:
+                self._unknown("load report", load.request_id)
         touched: list[Request] = []
         for request_id in worker.finished_recving:
             request = self.remote.pop(request_id, None)
             if request is None:
                 self._unknown("finished_recving", request_id)
                 continue
-            for block_id in self.block_tables[request_id]:
-                self._remote_block_owner.pop(block_id, None)
-            quarantined = request_id in worker.quarantined
+            load = self._loads.pop(request_id, LoadReport(request_id))
             if request.status == RequestStatus.FINISHED_ABORTED:
-                self._first_invalid.pop(request_id, None)
-                self._failure_causes.pop(request_id, None)
-                self._release(request, quarantined)
+                self._release(request, load.quarantined)
                 continue
-            first_invalid = self._first_invalid.pop(request_id, None)
-            failure = self._failure_causes.pop(request_id, None)
-            if quarantined or (failure is not None and first_invalid is None):
+            quarantined, first_invalid = load.quarantined, self._first_invalid(request_id, load)
+            if quarantined or (load.cause is not None and first_invalid is None):
                 first_invalid = 0  # without block detail, or with blocks still written: the whole request
-            cause, message = failure or ("kv_load_failed", "KV load failed")
+            cause, message = (load.cause, load.detail) if load.cause else (LoadCause.KV_LOAD_FAILED,
+                                                                           "KV load failed")
             if first_invalid is not None:
                 if self.config.kv_load_failure_policy == "fail":
-                    request.error_code, request.error_message = cause, message
+                    request.error_code, request.error_message = cause.value, message
                     self._finish(request, RequestStatus.FINISHED_ERROR, quarantined)
                     touched.append(request)
                     continue
@@ -294,13 +279,13 @@ class Scheduler:
                 self.num_recomputed_tokens += request.num_tokens - cut
                 request.num_recomputed_tokens += request.num_tokens - cut
                 request.num_computed_tokens = cut
-            elif len(self.running) < self.config.max_num_seqs and _samples_alike(
-                worker.first_tokens.get(request_id), request
+            elif (first := load.first_token) is not None and len(self.running) < self.config.max_num_seqs and (
+                self._samples_alike(first, request)
             ):
                 # The whole prompt landed and P sampled the first token as this request would: emit it
                 # now (the same bits: P's logits are the colocated ones) and go straight to decoding.
                 request.num_computed_tokens = request.num_tokens
-                request.output_token_ids.append(worker.first_tokens[request_id].token)
+                request.output_token_ids.append(first.token)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 touched.append(request)
@@ -354,6 +339,21 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 
+    def _first_invalid(self, request_id: str, load: LoadReport) -> int | None:
+        """The index of the load's first lost block in its request's table (None: none lost)."""
+        table = self.block_tables[request_id]
+        for block_id in load.block_ids:
+            if block_id not in table:
+                self._unknown("invalid_block_ids", str(block_id))
+        return min((table.index(b) for b in load.block_ids if b in table), default=None)
+
+    def _samples_alike(self, first: FirstToken, request: Request) -> bool:
+        """P's first token is this request's own: in the vocabulary, same sampling (temperature, seed), and
+        nothing generated yet."""
+        params, vocab = request.sampling_params, self.config.vocab_size
+        return (not request.output_token_ids and (vocab is None or 0 <= first.token < vocab)
+                and (first.temperature, first.seed) == (params.temperature, params.seed))
+
     def _unknown(self, where: str, request_id: str) -> None:
         # vLLM asserts here and loses the whole engine; an unknown id is a connector bug, not a crash.
         self.num_unknown_ids += 1
@@ -379,9 +379,3 @@ class Scheduler:
         yield from self.running
         yield from self.remote.values()
 
-
-def _samples_alike(first: FirstToken | None, request: Request) -> bool:
-    """P's first token is this request's own: same sampling (temperature, seed), and nothing generated yet."""
-    params = request.sampling_params
-    return (first is not None and not request.output_token_ids
-            and (first.temperature, first.seed) == (params.temperature, params.seed))

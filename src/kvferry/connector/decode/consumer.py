@@ -39,6 +39,7 @@ from kvferry.connector.decode.pulls import (
 )
 from kvferry.connector.digest import block_key
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
+from kvferry.connector.loads import P_CAUSES, LoadCause, LoadReport
 from kvferry.connector.messages import (
     MAX_MESSAGE_BYTES,
     FirstToken,
@@ -56,10 +57,6 @@ log = logging.getLogger(__name__)
 
 class PullTooLarge(ValueError):
     """A pull D must not send: over the control-message limit."""
-
-
-# Causes P may name in an ERROR reply; anything else is reported as `error_reply`.
-P_CAUSES = frozenset({"error_reply", "transport", "expired", "prompt_mismatch"})
 
 
 class Consumer:
@@ -113,8 +110,7 @@ class Consumer:
         return self.outbox.drain()
 
     def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
-        """`drain` and the first tokens P sampled for the pulls that finished."""
-        return self.outbox.drain_all()
+        return self.outbox.drain_all()  # `drain` and the first tokens P sampled for the pulls that finished
 
     @property
     def pending_pulls(self) -> int:
@@ -157,16 +153,16 @@ class Consumer:
                 await self._await_replies(pull)
         except TimeoutError:
             stage = stall_stage(pull, self._dealers, self.loop.time())
-            self._handle_failed_recv([pull], "deadline", f"KV not loaded within {self.config.kv_load_deadline_s}s ({stage})")
+            self._handle_failed_recv([pull], LoadCause.DEADLINE, f"KV not loaded within {self.config.kv_load_deadline_s}s ({stage})")
         except BootstrapError as exc:
-            self._handle_failed_recv([pull], "bootstrap", str(exc))
+            self._handle_failed_recv([pull], LoadCause.BOOTSTRAP, str(exc))
         except PullTooLarge as exc:
-            self._handle_failed_recv([pull], "error_reply", str(exc))
+            self._handle_failed_recv([pull], LoadCause.ERROR_REPLY, str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a receiver bug must still release the request
             log.exception("pull for %s failed unexpectedly", pull.request_id)
-            self._handle_failed_recv([pull], "transport", f"receiver error: {exc!r}")
+            self._handle_failed_recv([pull], LoadCause.TRANSPORT, f"receiver error: {exc!r}")
 
     async def _lookup(self, spec: PullSpec) -> EngineInfo:
         injected = self.config.faults.fault_for(spec.transfer_id) == "bootstrap"
@@ -241,7 +237,7 @@ class Consumer:
                     deadline = working + self.config.recv_timeout_s
                     continue
                 self._handle_failed_recv(
-                    [pull], "recv_timeout", f"no reply from P within {self.config.recv_timeout_s}s"
+                    [pull], LoadCause.RECV_TIMEOUT, f"no reply from P within {self.config.recv_timeout_s}s"
                 )
                 return
             for future in done:
@@ -250,19 +246,20 @@ class Consumer:
     def _on_response(self, pull: PullMeta, task: PullTask, resp: PullResponse) -> None:
         task.checksums = list(resp.checksums)
         if resp.status == Status.ERROR:
-            cause = resp.cause if resp.cause in P_CAUSES else "error_reply"
+            cause = LoadCause(resp.cause) if resp.cause in P_CAUSES else LoadCause.ERROR_REPLY
             if not resp.cause and resp.err_msg.startswith("transport"):
-                cause = "transport"  # a P that predates the cause field
+                cause = LoadCause.TRANSPORT  # a P that predates the cause field
             self._handle_failed_recv([pull], cause, f"P rank {task.p_rank}: {resp.err_msg}")
         elif pull.request_id in resp.err_reqs:
-            self._handle_failed_recv([pull], "err_reqs", f"P rank {task.p_rank}: {resp.err_msg}")
+            self._handle_failed_recv([pull], LoadCause.ERR_REQS, f"P rank {task.p_rank}: {resp.err_msg}")
         elif pull.request_id not in resp.ok_reqs and pull.block_ids:
-            self._handle_failed_recv([pull], "error_reply", f"P rank {task.p_rank} finished without this request")
+            self._handle_failed_recv([pull], LoadCause.ERROR_REPLY, f"P rank {task.p_rank} finished without this request")
         else:
             self._landed.close_grant(task)
             bad = self._landed.bad_blocks(pull, [task])
             if bad:
-                cause = "checksum" if all(self._landed.covered(pull, task, b) for b in bad) else "transport"
+                covered = all(self._landed.covered(pull, task, b) for b in bad)
+                cause = LoadCause.CHECKSUM if covered else LoadCause.TRANSPORT
                 self._handle_failed_recv(
                     [pull], cause, f"{len(bad)} block(s) from P rank {task.p_rank} {cause} error"
                 )
@@ -276,7 +273,8 @@ class Consumer:
 
     def _succeed(self, pull: PullMeta) -> None:
         if not self._stage_in(pull.block_ids):
-            self._handle_failed_recv([pull], "transport", "received blocks could not be copied into the KV cache")
+            self._handle_failed_recv([pull], LoadCause.TRANSPORT,
+                                     "received blocks could not be copied into the KV cache")
             return
         # Both clocks are time.monotonic() (asyncio's loop.time() is too).
         elapsed = time.monotonic() - self._end(pull)
@@ -287,7 +285,8 @@ class Consumer:
         if pull.block_ids:  # a release-only pull is not the scheduler's business
             # P's first token, when every P rank named the same one (they sample once, in one engine).
             tokens = {t.first_token for t in pull.tasks}
-            self._landed.report(pull, first_token=tokens.pop() if len(tokens) == 1 else None)
+            token = tokens.pop() if len(tokens) == 1 else None
+            self._landed.report(pull, None if token is None else LoadReport(pull.request_id, first_token=token))
 
     def _stage_in(self, block_ids: list[int]) -> bool:
         try:
@@ -298,7 +297,7 @@ class Consumer:
         return True
 
     # ---- the failure spine ------------------------------------------------------------------------
-    def _handle_failed_recv(self, pulls: Iterable[PullMeta], cause: str, message: str) -> None:
+    def _handle_failed_recv(self, pulls: Iterable[PullMeta], cause: LoadCause, message: str) -> None:
         for pull in pulls:
             if self._pulls.get(pull.request_id) is not pull or pull.failed:
                 continue  # unknown or already failed: each failure is counted once
@@ -306,7 +305,7 @@ class Consumer:
             invalid = [pull.block_ids[i] for i in self._landed.invalid_indices(pull)]
             self._end(pull)
             self._release_remote(pull)
-            if cause in ("recv_timeout", "transport", "peer_dead", "bootstrap"):
+            if cause in (LoadCause.RECV_TIMEOUT, LoadCause.TRANSPORT, LoadCause.PEER_DEAD, LoadCause.BOOTSTRAP):
                 self.bootstrap.forget(pull.spec.bootstrap_addr, pull.spec.engine_id)
             if not pull.block_ids:  # release-only: it loads nothing (and the scheduler holds no request)
                 log.info("release for %s not confirmed by P (%s): %s", pull.request_id, cause, message)
@@ -316,7 +315,7 @@ class Consumer:
             bad = set(invalid)  # under `recompute` the scheduler keeps the blocks before the first bad one
             if not self._stage_in([b for b in pull.block_ids if b not in bad]):
                 invalid = list(pull.block_ids)
-            self._landed.report(pull, invalid, (cause, message))  # held while a grant drains
+            self._landed.report(pull, LoadReport(pull.request_id, tuple(invalid), cause, message))  # held while a grant drains
 
     def _end(self, pull: PullMeta) -> float:
         """The pull is over (success, failure or abort): no byte may land after this. Returns when P
@@ -367,10 +366,10 @@ class Consumer:
                       c.secret, self.metrics.control_auth_failures.labels(side="decode").inc,
                       DelayEstimator(c.heartbeat_timeout_s, c.heartbeat_ceiling_s), c.heartbeat_interval_s)
 
-    def _on_peer_dead(self, request_ids: list[str], cause: str, reason: str) -> None:
+    def _on_peer_dead(self, request_ids: list[str], cause: LoadCause, reason: str) -> None:
         """P is gone (`peer_dead`), or alive but not progressing (`deadline`: each pull names its stage)."""
         for pull in [self._pulls[r] for r in request_ids if r in self._pulls]:
-            stage = f" ({stall_stage(pull, self._dealers, self.loop.time())})" if cause == "deadline" else ""
+            stage = f" ({stall_stage(pull, self._dealers, self.loop.time())})" if cause == LoadCause.DEADLINE else ""
             self._handle_failed_recv([pull], cause, reason + stage)
 
     async def _sweep_dealers(self) -> None:

@@ -52,6 +52,7 @@ from kvferry.connector.auth import (
 from kvferry.connector.bootstrap import BootstrapError
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.decode.pulls import ConsumerConfig
+from kvferry.connector.loads import LoadCause
 from kvferry.connector.messages import (
     Heartbeat,
     HeartbeatAck,
@@ -70,7 +71,7 @@ WaiterKey = tuple[str, str]  # (transfer_id, d_request_id)
 MAX_PINGS = 4096
 # Called with the request ids waiting on a P that failed them, the cause (`peer_dead`, or `deadline`
 # for a live P that does not progress) and the reason.
-OnDead = Callable[[list[str], str, str], None]
+OnDead = Callable[[list[str], LoadCause, str], None]
 # How a `deadline` for a live P that does not progress begins its reason (after "P at ADDR").
 ALIVE_BUT_SILENT = "alive (its connection answers libzmq's pings) but its control loop silent"
 # libzmq dials a closed connection again after this (plus up to as much jitter), backing off to the
@@ -232,7 +233,7 @@ class Dealer:
             if key in self._sent:
                 self.send_raw(self._sent[key])
 
-    def _dead(self, reason: str, cause: str = "peer_dead") -> None:
+    def _dead(self, reason: str, cause: LoadCause = LoadCause.PEER_DEAD) -> None:
         self._pings.clear()
         request_ids = [rid for _, rid in self.waiters]
         if request_ids:  # before the tables below empty: the failure names each pull's stage from them

@@ -5,12 +5,13 @@ quarantined), and where a stalled pull stands (for the deadline's message)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from kvferry.connector.decode.dealer import Dealers
 from kvferry.connector.decode.pulls import Outbox, PullMeta, PullTask
 from kvferry.connector.layout import KVLayout
-from kvferry.connector.messages import FirstToken
+from kvferry.connector.loads import LoadReport
 from kvferry.transfer.base import TransferEngine, covered
 
 DRAIN_POLL_S = 0.05  # how often a held pull's grants are asked whether they drained
@@ -34,7 +35,7 @@ class Landed:
         self.checksums = checksums  # asked for: then a block P sent no checksum for is unverified, not loaded
         self.engines = engines
         self.outbox = outbox
-        self.held: dict[str, tuple[PullMeta, list[int], tuple[str, str] | None, FirstToken | None]] = {}
+        self.held: dict[str, tuple[PullMeta, LoadReport | None]] = {}
         self.quarantined: dict[str, PullMeta] = {}  # reported; their blocks wait for the grants to drain
         self._timer: asyncio.TimerHandle | None = None
 
@@ -84,18 +85,15 @@ class Landed:
                 task.fenced = task.grant
             task.grant = None
 
-    def report(
-        self, pull: PullMeta, invalid: list[int] | None = None, cause: tuple[str, str] | None = None,
-        first_token: FirstToken | None = None,
-    ) -> None:
+    def report(self, pull: PullMeta, load: LoadReport | None = None) -> None:
         """The pull's outcome to the scheduler: now, quarantined or held while a grant drains (on the
         consumer's loop)."""
         if pull.failed and self.outbox.quarantine and self._draining(pull):
             log.warning("blocks of %s quarantined: P's reads posted before the close have not ended", pull.request_id)
             self.quarantined[pull.request_id] = pull
-            self.outbox.report(pull.request_id, invalid or [], cause, first_token, quarantined=True)
+            self.outbox.report(pull.request_id, dataclasses.replace(load or LoadReport(pull.request_id), quarantined=True))
         else:
-            self.held[pull.request_id] = (pull, invalid or [], cause, first_token)
+            self.held[pull.request_id] = (pull, load)
             if self._draining(pull):
                 log.warning("blocks of %s held back: P's reads posted before the close have not ended", pull.request_id)
         self._flush()
@@ -107,10 +105,10 @@ class Landed:
         if self._timer is not None:
             self._timer.cancel()  # one timer at most, whoever calls
             self._timer = None
-        for request_id, (pull, invalid, cause, first_token) in list(self.held.items()):
+        for request_id, (pull, load) in list(self.held.items()):
             if not self._draining(pull):
                 del self.held[request_id]
-                self.outbox.report(request_id, invalid, cause, first_token)
+                self.outbox.report(request_id, load)
         for request_id, pull in list(self.quarantined.items()):
             if not self._draining(pull):
                 del self.quarantined[request_id]

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvferry.connector.bootstrap import FAIL_AFTER_S, LOOPBACK
 from kvferry.connector.faults import FaultSpec
+from kvferry.connector.loads import LoadReport
 from kvferry.connector.messages import FirstToken, PullResponse
 from kvferry.transfer.base import ByteRange
 
@@ -111,18 +112,22 @@ class Report:
     """One drain of the outbox: everything the loop reported since the last one."""
 
     finished: set[str] = field(default_factory=set)
-    invalid: set[int] = field(default_factory=set)
-    causes: dict[str, tuple[str, str]] = field(default_factory=dict)
-    first_tokens: dict[str, FirstToken] = field(default_factory=dict)
-    # Of `finished`: failed loads whose blocks a posted read may still write (the host quarantines them).
-    quarantined: set[str] = field(default_factory=set)
+    loads: dict[str, LoadReport] = field(default_factory=dict)  # of `finished`: those with something to say
     released: set[str] = field(default_factory=set)  # quarantined earlier, and no read can write them now
+
+    @property
+    def invalid(self) -> set[int]:
+        return {b for load in self.loads.values() for b in load.block_ids}
+
+    @property
+    def causes(self) -> dict[str, tuple[str, str]]:
+        return {r: (load.cause.value, load.detail) for r, load in self.loads.items() if load.cause is not None}
 
 
 class Outbox:
-    """Loop thread → engine thread: finished requests, invalid blocks, failure causes, P's first tokens,
-    quarantined blocks and their release. Every report wakes the engine thread (`waker`), so it need not
-    poll for them."""
+    """Loop thread → engine thread: finished requests with their load reports (lost blocks and cause,
+    P's first token, quarantine), and the release of quarantined blocks. Every report wakes the engine
+    thread (`waker`), so it need not poll for them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -132,21 +137,13 @@ class Outbox:
         # is reported at once, its blocks' release later (`release`).
         self.quarantine = False
 
-    def report(
-        self, request_id: str, invalid: Iterable[int] = (), cause: tuple[str, str] | None = None,
-        first_token: FirstToken | None = None, quarantined: bool = False,
-    ) -> None:
+    def report(self, request_id: str, load: LoadReport | None = None) -> None:
+        """The request finished loading; `load` says what of it (one record, so a drain never sees the
+        request without its blocks, cause or token)."""
         with self._lock:
-            # Cause, blocks and token go in with the request, so one drain never sees it without them.
-            r = self._report
-            if cause is not None:
-                r.causes[request_id] = cause
-            if first_token is not None:
-                r.first_tokens[request_id] = first_token
-            if quarantined:
-                r.quarantined.add(request_id)
-            r.invalid.update(invalid)
-            r.finished.add(request_id)
+            if load is not None:
+                self._report.loads[request_id] = load
+            self._report.finished.add(request_id)
         self.waker()
 
     def release(self, request_id: str) -> None:
@@ -157,12 +154,14 @@ class Outbox:
         self.waker()
 
     def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
-        finished, invalid, causes, _ = self.drain_all()
-        return finished, invalid, causes
+        """finished, lost blocks, request → (cause, message): the flat view of `drain_report`."""
+        r = self.drain_report()
+        return r.finished, r.invalid, r.causes
 
     def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
         r = self.drain_report()
-        return r.finished, r.invalid, r.causes, r.first_tokens
+        tokens = {rid: load.first_token for rid, load in r.loads.items() if load.first_token is not None}
+        return r.finished, r.invalid, r.causes, tokens
 
     def drain_report(self) -> Report:
         with self._lock:

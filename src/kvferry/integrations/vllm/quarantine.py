@@ -45,11 +45,10 @@ class WorkerQuarantine:
         self._quarantined: Counter[str] = Counter()  # for the scheduler half, since the last metadata
         self._released: Counter[str] = Counter()
 
-    def drained(self, released: set[str]) -> None:
-        """After D's connector's `get_finished`: its quarantined ids, and the ids whose reads ended
-        (D's connector returns those in the sending slot; they are no sends of vLLM's)."""
-        assert self.decode is not None
-        self._failed = self.decode.get_quarantined()
+    def drained(self, released: set[str], quarantined: set[str]) -> None:
+        """After D's connector's `get_finished`: the ids whose reads ended (D's connector returns those in
+        the sending slot; they are no sends of vLLM's), and its load reports' quarantined ids."""
+        self._failed = quarantined
         self._quarantined.update(self._failed)
         self._released.update(released)
 

@@ -58,8 +58,9 @@ class KVFerryWorker:
         # ids the scheduler may be told about (each once)
         self._expect_send: set[str] = set()
         self._expect_recv: set[str] = set()
-        self._causes: dict[str, tuple[str, str]] = {}
-        self._pulled: dict[str, set[int]] = {}  # per request: the blocks its pull fills (failures per request)
+        self._causes: dict[str, tuple[str, str]] = {}  # for the scheduler half (worker metadata)
+        self._invalid: set[int] = set()  # the last drain's lost blocks (`get_block_ids_with_load_errors`)
+        self._lost: set[str] = set()  # the last drain's requests that lost blocks (failures per request)
         # D: failed loads whose blocks a posted read may still write (quarantine.py)
         self.quarantine = WorkerQuarantine(pd.get(DECODE))
         self._device: Any = None  # the KV cache's device
@@ -96,8 +97,6 @@ class KVFerryWorker:
                     pd_meta = self.gate.hold(pd_meta)
             else:
                 self._expect_recv.update(p.request_id for p in pd_meta.to_pull if p.block_ids)
-                if self.per_request_failures:
-                    self._pulled.update((p.request_id, set(p.block_ids)) for p in pd_meta.to_pull if p.block_ids)
             self.pd[r].start_load_kv(pd_meta)
 
     def wait_for_save(self) -> None:
@@ -113,14 +112,18 @@ class KVFerryWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
         recving: set[str] = set()
+        self._invalid, self._lost = set(), set()
         for role, pd in self.pd.items():
             s, r = pd.get_finished(finished_req_ids)
+            loads = pd.take_load_reports()
             if role == DECODE:  # D sends nothing: its "sending" are quarantined blocks whose reads ended
-                self.quarantine.drained(s)
+                self.quarantine.drained(s, {load.request_id for load in loads if load.quarantined})
                 s = set()
             sending |= s
             recving |= r
-            self._causes.update(pd.get_failure_causes())
+            self._causes.update((load.request_id, (load.cause.value, load.detail)) for load in loads if load.cause)
+            self._invalid.update(b for load in loads for b in load.block_ids)
+            self._lost.update(load.request_id for load in loads if load.block_ids)
         return _once(sending, self._expect_send, "sending"), _once(recving, self._expect_recv, "receiving")
 
     @property
@@ -135,21 +138,13 @@ class KVFerryWorker:
         done = self.get_finished(finished_req_ids)
         sending, recving = set(done[0] or ()), set(done[1] or ())
         failed = self.quarantine.failed(recving)  # never block ids: vLLM would compute into them
-        if self.per_request_failures:
-            invalid = self._load_errors()  # drained with the requests they belong to (one outbox drain)
-            failed |= {r for r in recving if self._pulled.get(r, set()) & invalid}
-            for r in recving:
-                self._pulled.pop(r, None)
+        if self.per_request_failures:  # reported with their requests (one outbox drain)
+            failed |= self._lost & recving
         return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set() if self.per_request_failures else self._load_errors()
-
-    def _load_errors(self) -> set[int]:
-        invalid: set[int] = set()
-        for pd in self.pd.values():
-            invalid |= pd.get_block_ids_with_load_errors()
-        return invalid
+        invalid, self._invalid = self._invalid, set()
+        return set() if self.per_request_failures else invalid
 
     def build_connector_worker_meta(self) -> KVFerryWorkerMetadata | None:
         quarantined, released = self.quarantine.take()
