@@ -28,6 +28,7 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
+from kvferry.bench.vllm.runqueue import RunQueueWatch
 from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, serve_venv
 from kvferry.connector.decode.dealer import ALIVE_BUT_SILENT
 from kvferry.harness.client import percentile
@@ -66,9 +67,12 @@ def _kv(role: str, **extra: Any) -> str:
                        "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
 
 
-def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str], d: ServerGroup) -> dict[str, Any]:
-    """Every prompt through the proxy, IN_FLIGHT at a time: outcomes, latency, and D's failure causes."""
+def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str], p: ServerGroup,
+           d: ServerGroup) -> dict[str, Any]:
+    """Every prompt through the proxy, IN_FLIGHT at a time: outcomes, latency, D's failure causes, and how
+    long P's and D's libzmq I/O threads waited for a CPU (`runqueue.py`)."""
     log_before = d.log.read_text(errors="replace")
+    watch = RunQueueWatch({"P": p.popen.pid, "D": d.popen.pid})
 
     def ask(i: int) -> tuple[str, float]:
         began = time.monotonic()
@@ -82,6 +86,7 @@ def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str],
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(pool.map(ask, range(len(prompts))))
+    starvation = watch.stop()
     log = d.log.read_text(errors="replace")[len(log_before):]
     failures = _FAILED.findall(log)
     causes = Counter(cause for cause, _ in failures)
@@ -93,7 +98,7 @@ def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str],
             "deadlines": _deadline_kinds(reasons["deadline"]),
             "other KV-load failures": ", ".join(f"{k} {v}" for k, v in sorted(causes.items())) or "0",
             "other outcomes": ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "-",
-            "latency p50 s": percentile(seconds, 50), "latency p99 s": percentile(seconds, 99)}
+            "latency p50 s": percentile(seconds, 50), "latency p99 s": percentile(seconds, 99), **starvation}
 
 
 def _hogs(n: int) -> list[subprocess.Popen[bytes]]:
@@ -129,9 +134,9 @@ def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str,
             for group in (p, d, proxy):
                 group.wait_healthy()
             complete(proxy.url, model, "warm-up " + prompts[0], 2, ANSWER_TIMEOUT_S)
-            rows.append(_phase("alone", proxy.url, model, prompts, refs, d))
+            rows.append(_phase("alone", proxy.url, model, prompts, refs, p, d))
             spinning = _hogs(hogs)
-            rows.append(_phase(f"{hogs} CPU hogs beside it", proxy.url, model, prompts, refs, d))
+            rows.append(_phase(f"{hogs} CPU hogs beside it", proxy.url, model, prompts, refs, p, d))
         finally:
             for hog in spinning:
                 hog.send_signal(signal.SIGKILL)

@@ -1,0 +1,54 @@
+"""`bench/vllm/runqueue.py` measures what it says: a thread named like libzmq's I/O thread that shares one
+CPU with two spinning processes waits on the run queue about two thirds of the time, and one that sleeps
+does not."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvferry.bench.vllm.runqueue import SAMPLE_S, RunQueueWatch
+
+# A process (its own group) whose thread renames itself `ZMQbg/IO/9`, then spins or sleeps, on CPU 0.
+CHILD = """
+import ctypes, os, sys, threading, time
+os.sched_setaffinity(0, {0})
+def named():
+    ctypes.CDLL(None).prctl(15, b"ZMQbg/IO/9", 0, 0, 0)
+    while sys.argv[1] == "spin":
+        pass
+    time.sleep(600)
+threading.Thread(target=named, daemon=True).start()
+time.sleep(600)
+"""
+SPIN = "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"
+
+
+def _watch(mode: str, hogs: int, seconds: float = 3.0) -> dict[str, float]:
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, mode], start_new_session=True)]
+    procs += [subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True) for _ in range(hogs)]
+    try:
+        time.sleep(0.5)  # the child has named its thread (the watch finds threads at each sample)
+        watch = RunQueueWatch({"P": procs[0].pid})
+        time.sleep(seconds)
+        return watch.stop()
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_a_thread_sharing_a_cpu_with_two_spinners_is_starved_and_a_sleeping_one_is_not() -> None:
+    starved = _watch("spin", hogs=2)
+    assert starved["zmq I/O cpus"] == "0"
+    assert starved["P zmq I/O max wait share"] >= 0.5, starved
+    assert starved["P zmq I/O longest starved s"] >= 2.0 - 2 * SAMPLE_S, starved
+    idle = _watch("sleep", hogs=0, seconds=1.0)
+    assert idle["P zmq I/O longest starved s"] == 0.0, idle
+    assert idle["steal s"] >= 0.0
