@@ -46,8 +46,9 @@ def test_d_gets_ps_first_token_with_the_kv_and_both_sides_wake_their_engine(
         producer.add_ready("x", "p", [1, 2], 2 * SPEC.block_size, "", first_token)
         consumer.start_pulls([PullSpec("d", "x", [3, 4], "p", f"127.0.0.1:{server.port}", 2 * SPEC.block_size)])
         assert d_woken.wait(10), "D's worker never woke its engine"
-        finished, invalid, causes, tokens = consumer.drain_all()
-        assert (finished, invalid, causes) == ({"d"}, set(), {})
+        r = consumer.outbox.drain_report()
+        assert (r.finished, r.invalid, r.causes) == ({"d"}, set(), {})
+        tokens = {rid: load.first_token for rid, load in r.loads.items() if load.first_token is not None}
         assert tokens == ({} if first_token is None else {"d": first_token})
         assert (d_kv[[3, 4]] == 3.0).all()
         # P's transfer is served: its blocks are the engine's to free, and the engine is woken for it.

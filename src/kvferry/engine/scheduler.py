@@ -341,11 +341,14 @@ class Scheduler:
 
     def _first_invalid(self, request_id: str, load: LoadReport) -> int | None:
         """The index of the load's first lost block in its request's table (None: none lost)."""
-        table = self.block_tables[request_id]
+        index = {block_id: i for i, block_id in enumerate(self.block_tables[request_id])}
+        first: int | None = None
         for block_id in load.block_ids:
-            if block_id not in table:
+            if block_id not in index:
                 self._unknown("invalid_block_ids", str(block_id))
-        return min((table.index(b) for b in load.block_ids if b in table), default=None)
+            elif first is None or index[block_id] < first:
+                first = index[block_id]
+        return first
 
     def _samples_alike(self, first: FirstToken, request: Request) -> bool:
         """P's first token is this request's own: in the vocabulary, same sampling (temperature, seed), and

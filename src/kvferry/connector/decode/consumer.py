@@ -42,7 +42,6 @@ from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
 from kvferry.connector.loads import P_CAUSES, LoadCause, LoadReport
 from kvferry.connector.messages import (
     MAX_MESSAGE_BYTES,
-    FirstToken,
     PullRequest,
     PullResponse,
     Release,
@@ -108,9 +107,6 @@ class Consumer:
 
     def drain(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]]]:
         return self.outbox.drain()
-
-    def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
-        return self.outbox.drain_all()  # `drain` and the first tokens P sampled for the pulls that finished
 
     @property
     def pending_pulls(self) -> int:

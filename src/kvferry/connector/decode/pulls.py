@@ -158,11 +158,6 @@ class Outbox:
         r = self.drain_report()
         return r.finished, r.invalid, r.causes
 
-    def drain_all(self) -> tuple[set[str], set[int], dict[str, tuple[str, str]], dict[str, FirstToken]]:
-        r = self.drain_report()
-        tokens = {rid: load.first_token for rid, load in r.loads.items() if load.first_token is not None}
-        return r.finished, r.invalid, r.causes, tokens
-
     def drain_report(self) -> Report:
         with self._lock:
             report, self._report = self._report, Report()
