@@ -17,14 +17,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvferry.connector.messages import ZMQ_THREAD_PREFIX
+
 SAMPLE_S = 0.25
+OWNERS = ("kvferry", "other")
 STARVED_SHARE = 0.5  # a sample in which the thread waited at least this share of the time counts as starved
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
-def _io_threads(pgid: int) -> dict[str, Path]:
-    """libzmq's I/O threads (named `ZMQbg/IO/<n>`) of every process in group `pgid`, by `pid/tid`."""
-    found: dict[str, Path] = {}
+def _io_threads(pgid: int) -> dict[str, tuple[str, Path]]:
+    """libzmq's I/O threads (named `[prefix/]ZMQbg/IO/<n>`) of every process in group `pgid`, by `pid/tid`:
+    whose they are (kvferry's contexts name theirs with `ZMQ_THREAD_PREFIX`) and where to read them."""
+    found: dict[str, tuple[str, Path]] = {}
+    ours = f"{ZMQ_THREAD_PREFIX}/"
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -32,8 +37,9 @@ def _io_threads(pgid: int) -> dict[str, Path]:
             if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
             for task in (proc / "task").iterdir():
-                if (task / "comm").read_text().startswith("ZMQbg/IO"):
-                    found[f"{proc.name}/{task.name}"] = task
+                name = (task / "comm").read_text()
+                if "ZMQbg/IO" in name:
+                    found[f"{proc.name}/{task.name}"] = ("kvferry" if name.startswith(ours) else "other", task)
     return found
 
 
@@ -43,50 +49,59 @@ def _steal_s() -> float:
 
 
 class RunQueueWatch:
-    """Samples the I/O threads of the process groups `groups` (name → pgid) until `stop`."""
+    """Samples the I/O threads of the process groups `groups` (name → pgid) until `stop`, kvferry's and the
+    host's apart. Two figures per kind: the longest stretch of samples in which a thread waited at least
+    STARVED_SHARE of the time (a busy thread that shares its CPU), and the longest single wait (the run
+    queue wait a sample added per time slice the thread got: a thread that wakes for a packet and waits
+    seconds for a CPU shows here, as the kernel adds a wait when it ends)."""
 
     def __init__(self, groups: dict[str, int]) -> None:
         self.groups = groups
         self._stop = threading.Event()
-        self._worst: dict[str, dict[str, float]] = {
-            name: {"longest starved s": 0.0, "max wait share": 0.0} for name in groups}
+        self._worst: dict[tuple[str, str], dict[str, float]] = {
+            (name, owner): {"longest starved s": 0.0, "max wait share": 0.0, "longest wait s": 0.0}
+            for name in groups for owner in OWNERS}
         self._cpus: dict[str, str] = {}
         self._steal0 = _steal_s()
         self._thread = threading.Thread(target=self._run, name="kvferry-runqueue", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        last: dict[str, tuple[float, int]] = {}  # pid/tid → (sampled at, wait ns)
+        last: dict[str, tuple[float, int, int]] = {}  # pid/tid → (sampled at, wait ns, time slices)
         starved_since: dict[str, float] = {}
         while not self._stop.wait(SAMPLE_S):
             for name, pgid in self.groups.items():
-                worst = self._worst[name]
-                for key, task in _io_threads(pgid).items():
+                for key, (owner, task) in _io_threads(pgid).items():
+                    worst = self._worst[name, owner]
                     with contextlib.suppress(OSError, ValueError, IndexError):
-                        wait_ns = int((task / "schedstat").read_text().split()[1])
+                        fields = (task / "schedstat").read_text().split()
+                        wait_ns, slices = int(fields[1]), int(fields[2])
                         now = time.monotonic()
                         if key not in self._cpus:
                             status = (task / "status").read_text()
                             self._cpus[key] = status.split("Cpus_allowed_list:", 1)[1].split()[0]
                         if key in last:
-                            then, before = last[key]
-                            share = (wait_ns - before) / 1e9 / max(now - then, 1e-3)
+                            then, before, slices_before = last[key]
+                            waited = (wait_ns - before) / 1e9
+                            share = waited / max(now - then, 1e-3)
                             worst["max wait share"] = max(worst["max wait share"], min(share, 1.0))
+                            worst["longest wait s"] = max(worst["longest wait s"], waited / max(slices - slices_before, 1))
                             if share >= STARVED_SHARE:
                                 since = starved_since.setdefault(key, then)
                                 worst["longest starved s"] = max(worst["longest starved s"], now - since)
                             else:
                                 starved_since.pop(key, None)
-                        last[key] = (now, wait_ns)
+                        last[key] = (now, wait_ns, slices)
 
     def stop(self) -> dict[str, Any]:
-        """What each group's I/O threads went through, and the host's steal time, since the start."""
+        """What each group's I/O threads went through, kvferry's and the host's apart, and the host's steal
+        time, since the start."""
         self._stop.set()
         self._thread.join(timeout=5)
         row: dict[str, Any] = {}
-        for name, worst in self._worst.items():
-            row[f"{name} zmq I/O longest starved s"] = round(worst["longest starved s"], 2)
-            row[f"{name} zmq I/O max wait share"] = round(worst["max wait share"], 2)
+        for (name, owner), worst in self._worst.items():
+            for figure, value in worst.items():
+                row[f"{name} {owner} zmq I/O {figure}"] = round(value, 2)
         row["zmq I/O cpus"] = " ".join(sorted(set(self._cpus.values()))) or "-"
         row["steal s"] = round(_steal_s() - self._steal0, 2)
         return row
