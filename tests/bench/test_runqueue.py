@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvferry.bench.vllm.runqueue import SAMPLE_S, RunQueueWatch
-from kvferry.connector.messages import ZMQ_THREAD_PREFIX
+from kvferry.connector.zmq_context import ZMQ_THREAD_PREFIX
 
 # A process (its own group) whose thread renames itself (argv[3]), then spins or sleeps, on one CPU.
 CHILD = """

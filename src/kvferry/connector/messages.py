@@ -20,9 +20,6 @@ MAX_MESSAGE_BYTES = 1 << 20
 # can pin); below it every message gets its own answer. Pulls are far below MAX_MESSAGE_BYTES.
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 4096
 MAX_ID_BYTES = 64 << 10
-# kvferry's libzmq contexts name their I/O threads `75/ZMQbg/IO/<n>`: beside the host's own libzmq threads
-# (vLLM's), a starvation gauge and an operator's `top -H` can tell which ones carry P/D liveness.
-ZMQ_THREAD_PREFIX = 75
 
 
 class Status(enum.IntEnum):

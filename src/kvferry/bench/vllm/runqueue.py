@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvferry.connector.messages import ZMQ_THREAD_PREFIX
+from kvferry.connector.zmq_context import ZMQ_THREAD_PREFIX
 
 SAMPLE_S = 0.25
 OWNERS = ("kvferry", "other")

@@ -42,7 +42,6 @@ from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
 from kvferry.connector.loads import P_CAUSES, LoadCause, LoadReport
 from kvferry.connector.messages import (
     MAX_MESSAGE_BYTES,
-    ZMQ_THREAD_PREFIX,
     PullRequest,
     PullResponse,
     Release,
@@ -50,6 +49,7 @@ from kvferry.connector.messages import (
     encode,
 )
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.zmq_context import liveness_context
 from kvferry.transfer.base import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,7 @@ class Consumer:
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers = Dealers(self._new_dealer)
         self._landed = Landed(self.outbox, layout, self.engines, config.checksums, self._dealers)
-        self._ctx = zmq.asyncio.Context()
-        self._ctx.set(zmq.THREAD_NAME_PREFIX, ZMQ_THREAD_PREFIX)
+        self._ctx = liveness_context(zmq.asyncio.Context)
         # Gaps between our own heartbeat ticks. When this loop lags, P hears from us late: we ask for a
         # lease that covers it (floor: LEASE_HEARTBEATS intervals; P caps it at its abort timeout). And
         # the box is loaded: a P that shares it gets as much slack before we call it dead.

@@ -21,13 +21,14 @@ import zmq
 
 from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, d_ranks_for
-from kvferry.connector.messages import ZMQ_THREAD_PREFIX, FirstToken
+from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.guard import state_fd_budget
 from kvferry.connector.prefill.rank_loop import RankLoop
 from kvferry.connector.prefill.senders import PeerSenders
 from kvferry.connector.prefill.transfers import TransferTable
 from kvferry.connector.prefill.writes import SCRATCH_REGION, RankShared
+from kvferry.connector.zmq_context import liveness_context
 from kvferry.transfer.base import TransferEngine
 
 
@@ -67,8 +68,7 @@ class Producer:
         self._stop = threading.Event()
         self._in_step = threading.Event()
         state_fd_budget(self.tp_size)
-        self._ctx = zmq.Context()
-        self._ctx.set(zmq.THREAD_NAME_PREFIX, ZMQ_THREAD_PREFIX)
+        self._ctx = liveness_context(zmq.Context)
         self.senders = PeerSenders("kv-send")
         # The loops get exactly what they use, never the producer itself.
         self._shared = RankShared(self._ctx, self._stop, self._in_step, secret, layout, self.engines, self.table,

@@ -1,0 +1,66 @@
+"""kvferry's libzmq contexts name their I/O threads and schedule them real-time (SCHED_RR), nothing else;
+without the right to (no CAP_SYS_NICE) a context still works and one warning says so."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvferry.connector.zmq_context import RT_PRIORITY, ZMQ_THREAD_PREFIX, liveness_context
+
+LINUX = os.path.isdir("/proc/self/task")
+
+
+def _threads() -> dict[str, tuple[int, int]]:
+    """Each thread (`tid name`) → its scheduling policy and real-time priority."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            out[f"{tid} {f.read().strip()}"] = (os.sched_getscheduler(int(tid)), os.sched_getparam(int(tid)).sched_priority)
+    return out
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux thread names and priorities")
+@pytest.mark.parametrize("kind", [zmq.Context, zmq.asyncio.Context])
+def test_the_io_thread_is_named_and_lifted_and_nothing_else(kind: type[zmq.Context]) -> None:  # type: ignore[type-arg]
+    before = _threads()
+    ctx = liveness_context(kind)
+    try:
+        new = {k: v for k, v in _threads().items() if k not in before}
+        io = {k: v for k, v in new.items() if k.split()[1].startswith(f"{ZMQ_THREAD_PREFIX}/ZMQbg/IO/")}
+        assert len(io) == 1, new
+        if os.geteuid() == 0:
+            assert set(io.values()) == {(os.SCHED_RR, RT_PRIORITY)}, new
+        others = {k: v for k, v in _threads().items() if k not in io}
+        assert set(others.values()) == {(os.SCHED_OTHER, 0)}, others
+        sock = ctx.socket(zmq.PAIR)  # the context serves sockets as any other
+        sock.close(0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+CHILD = """
+import logging, os, zmq
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from kvferry.connector.zmq_context import liveness_context
+a, b = liveness_context(zmq.Context), liveness_context(zmq.Context)
+s = a.socket(zmq.PAIR); s.bind("inproc://x"); r = a.socket(zmq.PAIR); r.connect("inproc://x")
+s.send(b"ok"); print(r.recv().decode())
+"""
+
+
+@pytest.mark.skipif(not LINUX or os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="drops CAP_SYS_NICE with setpriv (root)")
+def test_without_cap_sys_nice_it_works_and_warns_once() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", sys.executable, "-c", CHILD],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    assert out.stderr.count("CAP_SYS_NICE") == 1, out.stderr
