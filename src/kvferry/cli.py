@@ -288,15 +288,9 @@ def serve(args: argparse.Namespace) -> int:
         )
         scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)
         worker_connector = PDConnector(ConnectorRole.WORKER, pd_config, metrics)
-    config = EngineConfig(
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        seed=args.seed,
-        kv_load_failure_policy=args.kv_load_failure_policy,
-        max_prefill_chunk=args.max_prefill_chunk,
-        role=args.role,
-        engine_id=engine_id,
-    )
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, seed=args.seed,
+                          kv_load_failure_policy=args.kv_load_failure_policy,
+                          max_prefill_chunk=args.max_prefill_chunk, role=args.role, engine_id=engine_id)
     extra = {"kv_bootstrap_addr": join_addr(advertised, args.bootstrap_port)} if args.role == "prefill" else {}
     engine = Engine(config, scheduler_connector, worker_connector, metrics, loaded)
     engine.start()

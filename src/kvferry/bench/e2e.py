@@ -148,9 +148,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
 
 
-def measure(
-    colocated_url: str, proxy_url: str, p_url: str, d_url: str, plan: Sequence[tuple[int, int]]
-) -> list[dict[str, Any]]:
+def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
+            plan: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
     """Both modes, prompt length by prompt length; raises if an output differs between the modes."""
     rows: list[dict[str, Any]] = []
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
@@ -192,9 +191,8 @@ def measure(
     return rows
 
 
-def run(
-    json_path: str | None = None, quick: bool = False, *, plan: Sequence[tuple[int, int]] | None = None
-) -> list[dict[str, Any]]:
+def run(json_path: str | None = None, quick: bool = False, *,
+        plan: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Measure, print the table (and write --json); `plan` ((prompt tokens, reps), ...) overrides the
     default plan (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)

@@ -29,24 +29,20 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.kv_load_failures = Counter(
-            "kvferry_kv_load_failures", "Failed KV loads on the decode side, by cause", ["cause"], registry=r
-        )
+        self.kv_load_failures = Counter("kvferry_kv_load_failures",
+                                        "Failed KV loads on the decode side, by cause", ["cause"], registry=r)
         self.kv_transfers = Counter("kvferry_kv_transfers", "Completed KV transfers", registry=r)
         self.kv_transfer_bytes = Counter("kvferry_kv_transfer_bytes", "KV bytes transferred", registry=r)
-        self.kv_transfer_seconds = Histogram(
-            "kvferry_kv_transfer_seconds", "Duration of one KV transfer", buckets=_TRANSFER_BUCKETS, registry=r
-        )
+        self.kv_transfer_seconds = Histogram("kvferry_kv_transfer_seconds", "Duration of one KV transfer",
+                                             buckets=_TRANSFER_BUCKETS, registry=r)
         self.heartbeat_rtt_seconds = Histogram(
             "kvferry_heartbeat_rtt_seconds", "D: from a heartbeat to P's ack (P's liveness under load)",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0), registry=r,
         )
-        self.requests_waiting_for_remote_kv = Gauge(
-            "kvferry_requests_waiting_for_remote_kv", "Requests in WAITING_FOR_REMOTE_KVS", registry=r
-        )
-        self.requests_finished = Counter(
-            "kvferry_requests_finished", "Finished requests by finish reason", ["reason"], registry=r
-        )
+        self.requests_waiting_for_remote_kv = Gauge("kvferry_requests_waiting_for_remote_kv",
+                                                    "Requests in WAITING_FOR_REMOTE_KVS", registry=r)
+        self.requests_finished = Counter("kvferry_requests_finished", "Finished requests by finish reason",
+                                         ["reason"], registry=r)
         self.kv_blocks_free = Gauge("kvferry_kv_blocks_free", "Free KV blocks", registry=r)
         self.kv_blocks_total = Gauge("kvferry_kv_blocks_total", "All KV blocks", registry=r)
         self.recomputed_tokens = Counter(
@@ -59,14 +55,12 @@ class Metrics:
         self.kv_leases_expired = Counter(
             "kvferry_kv_leases_expired", "Transfers whose blocks P freed because nobody pulled them", registry=r
         )
-        self.producer_errors = Counter(
-            "kvferry_producer_errors", "Unexpected errors P's rank loops survived (each cost one message)",
-            registry=r,
-        )
-        self.duplicate_transfer_ids = Counter(
-            "kvferry_duplicate_transfer_ids", "P requests refused because their transfer_id was in use",
-            registry=r,
-        )
+        self.producer_errors = Counter("kvferry_producer_errors",
+                                       "Unexpected errors P's rank loops survived (each cost one message)",
+                                       registry=r)
+        self.duplicate_transfer_ids = Counter("kvferry_duplicate_transfer_ids",
+                                              "P requests refused because their transfer_id was in use",
+                                              registry=r)
         self.control_auth_failures = Counter(
             "kvferry_control_auth_failures",
             "Control messages dropped: not sealed with this deployment's secret, replayed or malformed",
@@ -82,24 +76,21 @@ class Metrics:
             registry=r,
         )
 
-        self.time_to_first_token = Histogram(
-            "kvferry_time_to_first_token_seconds", "From arrival to the first output token", buckets=_TTFT_BUCKETS,
-            registry=r,
-        )
+        self.time_to_first_token = Histogram("kvferry_time_to_first_token_seconds",
+                                             "From arrival to the first output token", buckets=_TTFT_BUCKETS,
+                                             registry=r)
         self.inter_token_latency = Histogram(
             "kvferry_inter_token_latency_seconds", "Between consecutive output tokens", buckets=_ITL_BUCKETS, registry=r
         )
-        self.e2e_request_latency = Histogram(
-            "kvferry_e2e_request_latency_seconds", "From arrival to the last token of a finished request",
-            buckets=_E2E_BUCKETS, registry=r,
-        )
+        self.e2e_request_latency = Histogram("kvferry_e2e_request_latency_seconds",
+                                             "From arrival to the last token of a finished request",
+                                             buckets=_E2E_BUCKETS, registry=r)
         self.request_prompt_tokens = Histogram(
             "kvferry_request_prompt_tokens", "Prompt length of finished requests", buckets=_TOKEN_BUCKETS, registry=r
         )
-        self.request_generation_tokens = Histogram(
-            "kvferry_request_generation_tokens", "Output length of finished requests", buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
+        self.request_generation_tokens = Histogram("kvferry_request_generation_tokens",
+                                                   "Output length of finished requests",
+                                                   buckets=_TOKEN_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

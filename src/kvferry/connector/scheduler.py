@@ -78,16 +78,9 @@ class PDScheduler:
     def _pull_spec(self, request: RequestLike, block_ids: list[int], first_block: int = 0) -> PullSpec:
         params = request.kv_transfer_params or {}
         digest = self._digest(request) if block_ids else ""  # of the whole prompt, whatever D holds
-        return PullSpec(
-            request.request_id,
-            str(params["transfer_id"]),
-            block_ids,
-            str(params["remote_engine_id"]),
-            str(params["remote_bootstrap_addr"]),
-            request.num_prompt_tokens,
-            digest,
-            first_block,
-        )
+        return PullSpec(request.request_id, str(params["transfer_id"]), block_ids,
+                        str(params["remote_engine_id"]), str(params["remote_bootstrap_addr"]),
+                        request.num_prompt_tokens, digest, first_block)
 
     def _digest(self, request: RequestLike) -> str:
         return prompt_digest(list(request.prompt_token_ids), self.config.block_size, self.config.secret)

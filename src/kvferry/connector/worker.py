@@ -61,12 +61,10 @@ class PDWorker:
             self.consumer = Consumer(layout, engines, consumer_config, self.metrics, bootstrap)
             self._install_waker()
             return
-        self.producer = Producer(
-            layout, engines, self.config.host, self.config.abort_timeout_s,
-            self.config.faults, self.metrics, self.config.secret,
-            control_port=self.config.control_port, advertise_host=self.config.advertised_host,
-            tp_size=self.config.tp_size,
-        )
+        self.producer = Producer(layout, engines, self.config.host, self.config.abort_timeout_s,
+                                 self.config.faults, self.metrics, self.config.secret,
+                                 control_port=self.config.control_port,
+                                 advertise_host=self.config.advertised_host, tp_size=self.config.tp_size)
         self._install_waker()
         if self.config.tp_rank is not None:
             return  # one rank of several processes: the engine's owner serves the bootstrap

@@ -65,14 +65,9 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        scheduler_connector: KVConnector | None = None,
-        worker_connector: KVConnector | None = None,
-        metrics: Metrics | None = None,
-        loaded: LoadedModel | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, scheduler_connector: KVConnector | None = None,
+                 worker_connector: KVConnector | None = None, metrics: Metrics | None = None,
+                 loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
         if loaded is None:
@@ -289,13 +284,9 @@ class Engine:
         # and each sequence gets the bits it would get alone (kvferry.engine.rows).
         block_tables = self.scheduler.block_tables
         seq_chunks = [
-            SeqChunk(
-                chunk.request.token_ids(chunk.start_pos, chunk.start_pos + chunk.num_tokens),
-                chunk.start_pos,
-                block_tables[chunk.request.request_id],
-                chunk.request.num_prompt_tokens,
-                want_logits=chunk.start_pos + chunk.num_tokens == chunk.request.num_tokens,
-            )
+            SeqChunk(chunk.request.token_ids(chunk.start_pos, chunk.start_pos + chunk.num_tokens),
+                     chunk.start_pos, block_tables[chunk.request.request_id], chunk.request.num_prompt_tokens,
+                     want_logits=chunk.start_pos + chunk.num_tokens == chunk.request.num_tokens)
             for chunk in out.chunks
         ]
         if seq_chunks:

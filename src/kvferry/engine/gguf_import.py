@@ -93,14 +93,8 @@ def read_gguf(path: Path) -> Checkpoint:
             array = _unpermute(array, kv_heads)
         tensors[f"model.layers.{layer}.{names[kind]}.weight"] = array
     tokenizer_json = _tokenizer_json(tokens, list(fields["tokenizer.ggml.merges"]), list(fields["tokenizer.ggml.token_type"]))
-    return Checkpoint(
-        config,
-        tensors,
-        tokenizer_json,
-        str(fields["tokenizer.chat_template"]),
-        tokens[bos_id],
-        tokens[eos_id],
-    )
+    return Checkpoint(config, tensors, tokenizer_json, str(fields["tokenizer.chat_template"]), tokens[bos_id],
+                      tokens[eos_id])
 
 
 def _tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int]) -> str:

@@ -89,15 +89,8 @@ class TinyLlama:
         return np.zeros(spec.shape, dtype=np.float32)
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward(
-        self,
-        kv_cache: FloatArray,
-        block_size: int,
-        token_ids: Sequence[int],
-        start_pos: int,
-        block_table: Sequence[int],
-        prompt_len: int | None = None,
-    ) -> FloatArray:
+    def forward(self, kv_cache: FloatArray, block_size: int, token_ids: Sequence[int], start_pos: int,
+                block_table: Sequence[int], prompt_len: int | None = None) -> FloatArray:
         """Run positions [start_pos, start_pos + len(token_ids)) of one sequence; return the last one's logits.
 
         Positions before start_pos must already be in the cache; the new K/V are written into it.
@@ -157,15 +150,8 @@ class TinyLlama:
         hidden = np.ascontiguousarray(self.embed[np.asarray(tokens, dtype=np.int64)])
         return GeneratedRows(hidden, pos, np.concatenate(blocks) if blocks else pos, pos % block_size, spans)
 
-    def _validate(
-        self,
-        kv_cache: FloatArray,
-        block_size: int,
-        tokens: npt.NDArray[np.int64],
-        start_pos: int,
-        end_pos: int,
-        table: npt.NDArray[np.int64],
-    ) -> None:
+    def _validate(self, kv_cache: FloatArray, block_size: int, tokens: npt.NDArray[np.int64], start_pos: int,
+                  end_pos: int, table: npt.NDArray[np.int64]) -> None:
         cfg = self.config
         expected = (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
         if kv_cache.dtype != np.float32 or kv_cache.ndim != 6 or kv_cache.shape[1:] != expected:
@@ -183,15 +169,9 @@ class TinyLlama:
             raise ValueError(f"block table entries must be in [0, {kv_cache.shape[0]})")
 
     # ---- reference generation -------------------------------------------------------------------
-    def generate_greedy(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        stop_at_eos: bool = True,
-        eos_token_id: int = EOS_TOKEN_ID,
-    ) -> list[int]:
+    def generate_greedy(self, prompt_ids: Sequence[int], max_tokens: int, num_blocks: int | None = None,
+                        block_size: int = 16, stop_at_eos: bool = True,
+                        eos_token_id: int = EOS_TOKEN_ID) -> list[int]:
         """The colocated reference: one sequence alone, prefilled in one call, then decoded token by token."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")

@@ -51,8 +51,7 @@ def layer_step(ctx: ForwardContext, layer_index: int, w: LayerWeights, lin: RowL
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(m, kv_heads, head_dim)
     kv_cache[rows.blocks, layer_index, 0, :, rows.slots] = rope(k, cos, sin)
     kv_cache[rows.blocks, layer_index, 1, :, rows.slots] = qkv[:, (heads + kv_heads) * head_dim :].reshape(
-        m, kv_heads, head_dim
-    )
+        m, kv_heads, head_dim)
 
     attended = np.empty((m, heads * head_dim), dtype=np.float32)
     grouped = q.reshape(m, kv_heads, heads // kv_heads, head_dim)  # query head h is kv head h // group

@@ -28,9 +28,8 @@ class WorkItem:
     question: str = ""  # the chat question behind `prompt` (real models), for the report
 
 
-def make_workload(
-    n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[int, int] = (8, 32), long_share: float = 0.12
-) -> list[WorkItem]:
+def make_workload(n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[int, int] = (8, 32),
+                  long_share: float = 0.12) -> list[WorkItem]:
     """n requests of byte token ids, deterministic in (n, seed, ...).
 
     Lengths: the block edges 1, 15, 16, 17 and one `max_prompt`, then mostly short (2..128), some medium
@@ -121,9 +120,8 @@ def sse_event(line: str) -> dict[str, Any] | None:
     return event
 
 
-async def run_request(
-    client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float, timeout: float
-) -> None:
+async def run_request(client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float,
+                      timeout: float) -> None:
     """One streaming completion; fills `result` (times relative to the monotonic `t0`)."""
     body = {
         "prompt": item.prompt,
@@ -180,14 +178,8 @@ async def run_request(
         result.finished_at = time.monotonic() - t0
 
 
-async def run_workload(
-    url: str,
-    items: Sequence[WorkItem],
-    results: Sequence[RequestResult],
-    t0: float,
-    concurrency: int = 4,
-    timeout: float = 90.0,
-) -> None:
+async def run_workload(url: str, items: Sequence[WorkItem], results: Sequence[RequestResult], t0: float,
+                       concurrency: int = 4, timeout: float = 90.0) -> None:
     """Send every item (at most `concurrency` in flight); `results[i]` is updated in place as it goes."""
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)

@@ -56,25 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="smollm2 (default: SmolLM2-135M-Instruct answers chat questions), tiny (random weights, "
         "byte prompts of 1 to --max-prompt tokens), or a GGUF file / HF directory",
     )
-    parser.add_argument(
-        "--requests", type=int, default=None, help="number of requests (default 6 for a real model, 50 for tiny)"
-    )
+    parser.add_argument("--requests", type=int, default=None,
+                        help="number of requests (default 6 for a real model, 50 for tiny)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    parser.add_argument(
-        "--faults",
-        default=DEFAULT_FAULTS,
-        help=f"fault spec passed to P and D ('' for none; default {DEFAULT_FAULTS})",
-    )
-    parser.add_argument(
-        "--policy",
-        choices=["fail", "recompute"],
-        default="recompute",
-        help="kv_load_failure_policy of D (default recompute)",
-    )
+    parser.add_argument("--faults", default=DEFAULT_FAULTS,
+                        help=f"fault spec passed to P and D ('' for none; default {DEFAULT_FAULTS})")
+    parser.add_argument("--policy", choices=["fail", "recompute"], default="recompute",
+                        help="kv_load_failure_policy of D (default recompute)")
     parser.add_argument("--seed", type=int, default=0, help="model weights and workload seed")
-    parser.add_argument(
-        "--max-prompt", type=int, default=2000, help="longest prompt in tokens (default 2000)"
-    )
+    parser.add_argument("--max-prompt", type=int, default=2000,
+                        help="longest prompt in tokens (default 2000)")
     parser.add_argument(
         "--max-tokens",
         type=int,
@@ -98,24 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a request with no complete answer by then counts as stuck (s; default 300 real model, 90 tiny)",
     )
-    parser.add_argument(
-        "--reference-timeout",
-        type=float,
-        default=120.0,
-        help="how long to wait, after the run, for the colocated reference (s)",
-    )
-    parser.add_argument(
-        "--blas-threads",
-        type=int,
-        default=default_blas_threads(),
-        help="BLAS threads of every numpy process (default: $OPENBLAS_NUM_THREADS or 1)",
-    )
-    parser.add_argument(
-        "--json", dest="json_path", default=None, metavar="PATH", help="write the report as JSON"
-    )
-    parser.add_argument(
-        "--plot", dest="plot_path", default=None, metavar="PATH", help="write a PNG (matplotlib)"
-    )
+    parser.add_argument("--reference-timeout", type=float, default=120.0,
+                        help="how long to wait, after the run, for the colocated reference (s)")
+    parser.add_argument("--blas-threads", type=int, default=default_blas_threads(),
+                        help="BLAS threads of every numpy process (default: $OPENBLAS_NUM_THREADS or 1)")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                        help="write the report as JSON")
+    parser.add_argument("--plot", dest="plot_path", default=None, metavar="PATH",
+                        help="write a PNG (matplotlib)")
     parser.add_argument("--no-live", action="store_true", help="no live view (plain progress lines)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the instances' log files")
 
@@ -208,18 +189,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ModelLoadError too
         console.print(f"kvferry demo: --model: {exc}", style="red")
         return 2
-    config = PDSystemConfig(
-        seed=args.seed,
-        policy=args.policy,
-        faults=args.faults,
-        num_blocks=args.num_blocks,
-        prefill=Role(args=("--tp", str(args.p_tp))),
-        decode=Role(args=("--tp", str(args.d_tp))),
-        abort_timeout=args.abort_timeout,
-        kv_load_deadline=args.kv_load_deadline,
-        blas_threads=args.blas_threads,
-        serve_args=("--model", args.model),
-    )
+    config = PDSystemConfig(seed=args.seed, policy=args.policy, faults=args.faults,
+                            num_blocks=args.num_blocks, prefill=Role(args=("--tp", str(args.p_tp))),
+                            decode=Role(args=("--tp", str(args.d_tp))), abort_timeout=args.abort_timeout,
+                            kv_load_deadline=args.kv_load_deadline, blas_threads=args.blas_threads,
+                            serve_args=("--model", args.model))
     live = not args.no_live and console.is_terminal
     started = time.monotonic()
     with trial(config, items, args.model, console, args.keep_logs) as t:

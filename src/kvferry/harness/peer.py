@@ -96,9 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 class PeerProcess:
     """Parent-side handle: starts the peer, sends commands, and always stops it by pid."""
 
-    def __init__(
-        self, size: int, region: str = "dst", env: dict[str, str] | None = None, transfer: str = "tcp"
-    ) -> None:
+    def __init__(self, size: int, region: str = "dst", env: dict[str, str] | None = None,
+                 transfer: str = "tcp") -> None:
         self.region = region
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvferry.harness.peer", "--size", str(size), "--region", region,

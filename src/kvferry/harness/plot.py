@@ -134,9 +134,8 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     timeline = report["timeline"]
-    fig, axes = plt.subplots(
-        3, 1, figsize=(11, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]}, layout="constrained"
-    )
+    fig, axes = plt.subplots(3, 1, figsize=(11, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]},
+                             layout="constrained")
     ax1, ax2, ax3 = axes
     cfg = report["config"]
     verdict = "PASS" if report["ok"] else "FAIL"

@@ -93,14 +93,9 @@ class Supervised:
             prefix=f"{log_prefix}{name}-", suffix=".log", delete=False
         )
         self.log_path = self._log.name
-        self.popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else dict(env),
-            start_new_session=own_group,
-        )
+        self.popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log,
+                                      stderr=subprocess.STDOUT, env=None if env is None else dict(env),
+                                      start_new_session=own_group)
 
     @property
     def pid(self) -> int:
@@ -156,9 +151,8 @@ class ManagedProcess(Supervised):
     # the harness stops its children now, as Ctrl-C does. A test of the drain sends SIGTERM itself.
     stop_signal = signal.SIGINT
 
-    def __init__(
-        self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None,
+                 prefix: Sequence[str] = ()) -> None:
         self.args = list(args)
         self.prefix = list(prefix)  # e.g. `ip netns exec NS` (which keeps the pid)
         self.url = url

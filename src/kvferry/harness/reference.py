@@ -114,9 +114,8 @@ def _reference_main(argv: Sequence[str]) -> int:
     # Read everything first, so the parent's writes never wait on a busy child.
     items = [json.loads(raw) for raw in sys.stdin.read().splitlines() if raw.strip()]
     for item in items:
-        tokens = model.generate_greedy(
-            item["prompt"], int(item["max_tokens"]), stop_at_eos=not item["ignore_eos"], eos_token_id=codec.eos_token_id
-        )
+        tokens = model.generate_greedy(item["prompt"], int(item["max_tokens"]),
+                                       stop_at_eos=not item["ignore_eos"], eos_token_id=codec.eos_token_id)
         sys.stdout.write(json.dumps({"index": item["index"], "text": codec.decode(tokens)}) + "\n")
         sys.stdout.flush()
     return 0

@@ -246,11 +246,8 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
 
     row("requests", f"{q['total']}  (ok {q['ok']}, failed {q['failed']}, error {q['error']})")
     if report["failed_by_cause"]:
-        row(
-            "failed (HTTP 500) by cause",
-            ", ".join(f"{c} {n}" for c, n in report["failed_by_cause"].items()),
-            all(c != "none" for c in report["failed_by_cause"]),
-        )
+        row("failed (HTTP 500) by cause", ", ".join(f"{c} {n}" for c, n in report["failed_by_cause"].items()),
+            all(c != "none" for c in report["failed_by_cause"]))
     causes = report["kv_load_failures_by_cause"]
     row("KV load failures (D) by cause", ", ".join(f"{c} {n}" for c, n in causes.items()) or "none")
     row("recomputed", f"{q['recomputed']} requests, {report['recomputed_tokens']} prompt tokens")
@@ -268,10 +265,8 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     ttft = report["ttft_ms"]
     row("TTFT p50 / p99", f"{_fmt_ms(ttft['p50'])} / {_fmt_ms(ttft['p99'])}")
     share = t["share_of_ttft"]
-    row(
-        "transfer share of TTFT",
-        "-" if share is None else f"{share * 100:.1f} %  ({t['seconds']:.2f} s of transfer)",
-    )
+    row("transfer share of TTFT",
+        "-" if share is None else f"{share * 100:.1f} %  ({t['seconds']:.2f} s of transfer)")
     gbps = t["gbps"]
     row(
         "KV transferred",

@@ -123,24 +123,20 @@ class SystemSampler:
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop` is set; every loop polls once more after that, so the end is seen."""
 
-        async def loop(
-            poll: Callable[[httpx.AsyncClient, str], Any], client: httpx.AsyncClient, name: str
-        ) -> None:
+        async def loop(poll: Callable[[httpx.AsyncClient, str], Any], client: httpx.AsyncClient,
+                       name: str) -> None:
             while True:
                 started = time.monotonic()
                 await poll(client, name)
                 if stop.is_set():
                     return
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        stop.wait(), max(0.0, self.interval - (time.monotonic() - started))
-                    )
+                    await asyncio.wait_for(stop.wait(),
+                                           max(0.0, self.interval - (time.monotonic() - started)))
 
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
-            await asyncio.gather(
-                *(loop(self.poll_metrics, client, name) for name in self.urls),
-                *(loop(self.poll_state, client, name) for name in self.urls),
-            )
+            await asyncio.gather(*(loop(self.poll_metrics, client, name) for name in self.urls),
+                                 *(loop(self.poll_state, client, name) for name in self.urls))
 
 
 def require_drained(named: dict[str, str], timeout: float) -> None:

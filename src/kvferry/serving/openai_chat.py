@@ -80,16 +80,9 @@ def model_not_found(name: str) -> dict[str, Any]:
     return error_body(f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found")
 
 
-def chat_body(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    kv_transfer_params: dict[str, Any] | None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+              completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id.replace("cmpl-", "chatcmpl-", 1),
         "object": "chat.completion",
@@ -107,18 +100,10 @@ def chat_body(
     return body
 
 
-def chat_chunk(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    kv_transfer_params: dict[str, Any] | None,
-    extra: dict[str, Any] | None = None,
-    first: bool = False,
-    include_usage: bool = False,
-) -> dict[str, Any]:
+def chat_chunk(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+               completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
+               extra: dict[str, Any] | None = None, first: bool = False,
+               include_usage: bool = False) -> dict[str, Any]:
     delta: dict[str, Any] = {"content": text}
     if first:
         delta["role"] = "assistant"

@@ -101,16 +101,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_body(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    kv_transfer_params: dict[str, Any] | None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+                    completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",

@@ -173,9 +173,8 @@ class Attempt:
             content = error_body(r.text[:500], "proxy_error", r.status_code)
         return JSONResponse(content, r.status_code), Outcome.KV_FAILED if r.status_code >= 500 else Outcome.DONE
 
-    async def _relay(
-        self, d_response: httpx.Response, prefill: asyncio.Task[httpx.Response] | None
-    ) -> tuple[Response, Outcome]:
+    async def _relay(self, d_response: httpx.Response,
+                     prefill: asyncio.Task[httpx.Response] | None) -> tuple[Response, Outcome]:
         """D's answer for the client; a 500 kv_load_failed (before any token) is retryable."""
         if d_response.status_code != 200:
             content = await d_response.aread()
@@ -248,9 +247,8 @@ class Attempt:
             check_kv_transfer_params(params)
         except KVParamsShapeError as exc:
             return JSONResponse(error_body(f"prefill answer: {exc}", "proxy_error", 502), 502), Outcome.KV_FAILED
-        d_request = self.client.build_request(
-            "POST", f"{self.decode.url}{self.path}", json={**self.body, "kv_transfer_params": params}
-        )
+        d_request = self.client.build_request("POST", f"{self.decode.url}{self.path}",
+                                              json={**self.body, "kv_transfer_params": params})
         try:
             d_response = await self.client.send(d_request, stream=True)
         except httpx.HTTPError as exc:

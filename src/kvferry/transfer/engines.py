@@ -11,13 +11,8 @@ from kvferry.transfer.base import TransferEngine
 NAMES = ("tcp", "mooncake", "nixl")
 
 
-def new_engine(
-    name: str,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    secret: str | bytes | None = None,
-    advertise: str | None = None,
-) -> TransferEngine:
+def new_engine(name: str, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None,
+               advertise: str | None = None) -> TransferEngine:
     """The engine called `name`, listening on host:port (0: the kernel picks) and dialed at `advertise`.
 
     Mooncake takes only the host (it picks its own port and has no secret). Any name but "mooncake"

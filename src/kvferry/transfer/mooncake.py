@@ -165,9 +165,8 @@ class MooncakeTransferEngine(TransferEngine):
             link.engine = None  # the worker keeps the old one alive until its call returns
             link.failures = 0
 
-    def _plan(
-        self, remote: dict[str, tuple[int, int]], ops: Sequence[WriteOp]
-    ) -> tuple[list[tuple[list[int], list[int], list[int]]], list[Region]]:
+    def _plan(self, remote: dict[str, tuple[int, int]],
+              ops: Sequence[WriteOp]) -> tuple[list[tuple[list[int], list[int], list[int]]], list[Region]]:
         """Coalesced (src address, dst address, length) runs, in batches of ≤ MAX_ENTRIES."""
         srcs: list[int] = []
         dsts: list[int] = []
@@ -217,13 +216,8 @@ class MooncakeTransferEngine(TransferEngine):
 
 
 class _Job:
-    def __init__(
-        self,
-        link: _Link,
-        peer: str,
-        batches: list[tuple[list[int], list[int], list[int]]],
-        keep: list[Region],
-    ) -> None:
+    def __init__(self, link: _Link, peer: str, batches: list[tuple[list[int], list[int], list[int]]],
+                 keep: list[Region]) -> None:
         self.engine = link.engine
         self.busy = link.busy
         self.peer = peer

@@ -40,9 +40,8 @@ AnswerKey = tuple[str, int, int, str]  # (transfer_id, P rank, D rank, D's grant
 
 
 class TransferTable:
-    def __init__(
-        self, abort_timeout_s: float, metrics: Metrics, pairs: Callable[[int], set[tuple[int, int]]]
-    ) -> None:
+    def __init__(self, abort_timeout_s: float, metrics: Metrics,
+                 pairs: Callable[[int], set[tuple[int, int]]]) -> None:
         self.abort_timeout_s = abort_timeout_s
         self.metrics = metrics
         self._pairs = pairs  # D tp size → the (P rank, D rank) pairs a transfer must serve

@@ -93,8 +93,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)
         self.settings = KVFerrySettings.from_extra_config(extra, str(kv_config.engine_id)).for_data_parallel(
-            int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra
-        )
+            int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra)
         self.block_size = int(vllm_config.cache_config.block_size)
         # vLLM's KV cache groups (hybrid allocator): which blocks of which layers move (groups.py)
         self.groups = None if kv_cache_config is None else KVGroups.from_config(kv_cache_config, self.block_size)

@@ -116,10 +116,9 @@ class VllmKVLayout(KVLayout):
     whole multiple of it when the attention kernel splits manager blocks into smaller kernel blocks.
     """
 
-    def __init__(
-        self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, staging: bool | None = None,
-        tp_rank: int = 0, tp_size: int = 1, replicated: bool = False, groups: KVGroups | None = None,
-    ) -> None:
+    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
+                 staging: bool | None = None, tp_rank: int = 0, tp_size: int = 1, replicated: bool = False,
+                 groups: KVGroups | None = None) -> None:
         """`staging`: None stages when a tensor is not in host memory; True always; False never (a device
         tensor is then refused). `tp_rank` of `tp_size`: the tensors hold this rank's slice of the
         model's KV heads; block runs are asked for by model-wide head indices. `replicated`: every rank

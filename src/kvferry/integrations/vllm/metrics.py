@@ -53,10 +53,9 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        counter = self._counter_cls(
-            name=METRIC, documentation="KV loads kvferry failed, by cause (docs/design.md)",
-            labelnames=[*labelnames, "cause"],
-        )
+        counter = self._counter_cls(name=METRIC,
+                                    documentation="KV loads kvferry failed, by cause (docs/design.md)",
+                                    labelnames=[*labelnames, "cause"])
         self._by_engine = {
             engine: {cause: counter.labels(*values, cause) for cause in CAUSES}
             for engine, values in per_engine_labelvalues.items()

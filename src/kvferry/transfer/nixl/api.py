@@ -80,9 +80,8 @@ def new_agent(name: str, loopback: bool) -> Any:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         os.environ.setdefault("UCX_MODULES", "^ib*")
     strict = _api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    agent = _api.nixl_agent(name, _api.nixl_agent_config(
-        enable_prog_thread=True, enable_listen_thread=False, backends=[], sync_mode=strict,
-    ))
+    agent = _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+                                                         backends=[], sync_mode=strict))
     config = _bind.nixlAgentConfig()
     config.useProgThread = True
     config.useListenThread = False

@@ -88,10 +88,8 @@ class _Write:
 
 
 class NixlTransferEngine(TransferEngine):
-    def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
-        advertise: str | None = None,
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
+                 advertise: str | None = None) -> None:
         if not nixl_api.available():
             raise TransferError(E.INVALID, f"nixl is not installed ({nixl_api.INSTALL_HINT})")
         # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything binds.

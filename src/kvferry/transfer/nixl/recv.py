@@ -77,10 +77,8 @@ class Read:
 
 
 class Receiver:
-    def __init__(
-        self, agent: Any, regions: NixlRegions, peers: Peers, keys: nw.Keys | None,
-        token_info: Callable[[], tuple[str, str, bytes]], count: Callable[[str], None],
-    ) -> None:
+    def __init__(self, agent: Any, regions: NixlRegions, peers: Peers, keys: nw.Keys | None,
+                 token_info: Callable[[], tuple[str, str, bytes]], count: Callable[[str], None]) -> None:
         self._agent, self._regions, self._peers, self._keys = agent, regions, peers, keys
         self._token_info = token_info  # (address, agent name, connection metadata)
         self._count = count
@@ -245,10 +243,8 @@ class Receiver:
             remote = np.stack([ops["src"], lens, ops["dev"].astype(np.uint64)], axis=1)
             self._posting += 1
             try:
-                handle = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local, mems.pop()),
-                    self._agent.get_xfer_descs(remote, req.src_mem), sender,
-                )
+                handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, mems.pop()),
+                                                     self._agent.get_xfer_descs(remote, req.src_mem), sender)
                 state = self._agent.transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL's errors derive from Exception
                 self._count("failed_reads")

@@ -31,15 +31,8 @@ from kvferry.transfer.tcp.server import TcpServer
 
 
 class TcpTransferEngine(TransferEngine):
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        secret: str | bytes | None = None,
-        *,
-        advertise: str | None = None,
-        limits: Limits | None = None,
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
+                 advertise: str | None = None, limits: Limits | None = None) -> None:
         """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind); port 0
         there means the bound port."""
         # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything listens.

@@ -83,9 +83,8 @@ class Io:
         self._recv = _LIB.recvmsg
         self._send = _LIB.sendmsg
 
-    def _call(
-        self, fn: Callable[[int, Any, int], int], iov: np.ndarray, i: int, j: int, flags: int
-    ) -> int | None:
+    def _call(self, fn: Callable[[int, Any, int], int], iov: np.ndarray, i: int, j: int,
+              flags: int) -> int | None:
         hdr = self._hdr
         hdr.msg_iov = iov.ctypes.data + 16 * i
         hdr.msg_iovlen = min(j, len(iov)) - i

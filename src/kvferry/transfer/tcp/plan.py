@@ -45,9 +45,8 @@ def _index(names: list[str]) -> tuple[list[str], np.ndarray]:
     return uniq, np.array([pos[n] for n in names], np.int64)
 
 
-def _cut(
-    so: np.ndarray, do: np.ndarray, ln: np.ndarray, sid: np.ndarray, did: np.ndarray, cap: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _cut(so: np.ndarray, do: np.ndarray, ln: np.ndarray, sid: np.ndarray, did: np.ndarray,
+         cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ops longer than `cap` cut into pieces of at most `cap` bytes, in order."""
     reps = (ln + cap - 1) // cap
     idx = np.repeat(np.arange(len(ln)), reps)
@@ -68,9 +67,8 @@ def _bounds(ln: np.ndarray, max_ops: int, max_bytes: int) -> list[tuple[int, int
     return out
 
 
-def plan(
-    regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: float, auth: bool = False
-) -> list[Message]:
+def plan(regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: float,
+         auth: bool = False) -> list[Message]:
     try:
         raw_token = wire.token_bytes(token)
     except ValueError as e:

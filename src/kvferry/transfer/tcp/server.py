@@ -24,16 +24,8 @@ from kvferry.transfer.tcp.limits import Limits, bucket
 
 
 class TcpServer:
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        secret: bytes | None,
-        regions: RegionTable,
-        grants: GrantTable,
-        limits: Limits | None = None,
-        advertise: str | None = None,
-    ) -> None:
+    def __init__(self, host: str, port: int, secret: bytes | None, regions: RegionTable, grants: GrantTable,
+                 limits: Limits | None = None, advertise: str | None = None) -> None:
         self.secret = secret
         self.regions = regions
         self.grants = grants

@@ -104,9 +104,8 @@ def token_bytes(token: str) -> bytes:
     return raw
 
 
-def encode_meta(
-    names: list[str], regions: npt.ArrayLike, offsets: npt.ArrayLike, lengths: npt.ArrayLike
-) -> bytes:
+def encode_meta(names: list[str], regions: npt.ArrayLike, offsets: npt.ArrayLike,
+                lengths: npt.ArrayLike) -> bytes:
     parts = [NAME_LEN.pack(len(names))]
     for name in names:
         raw = name.encode()
