@@ -10,8 +10,7 @@ its lease (7 × 0.25 s) runs out, P cancels the writes to it and frees the block
 Then starved but alive: 40 requests (12 with --quick) through each of two P/D systems at once, one
 with adaptive liveness (the default) and one with the fixed thresholds (`--heartbeat-ceiling 0`),
 while 3 CPU hogs per core spin, and again while P or D is also frozen in bursts (SIGSTOP/SIGCONT, the
-same for both systems): false `peer_dead` failures and P's expired leases, counted from /metrics.
-"""
+same for both systems): false `peer_dead` failures and P's expired leases, counted from /metrics."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The step here is everything the engine does per step except the model: schedule, connector metadata,
 worker report, update. A few requests keep decoding while 0, 1k or 10k wait for remote KV that never
 arrives; a scheduler that scanned parked requests would show it as growth. The three set-ups are
-stepped in interleaved rounds, so a noisy neighbour slows them alike.
-"""
+stepped in interleaved rounds, so a noisy neighbour slows them alike."""
 
 from __future__ import annotations
 

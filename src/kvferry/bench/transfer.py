@@ -13,8 +13,7 @@
 - mooncake: both engines in one subprocess inside a private network namespace (its listeners bind
   every interface); skipped when it is not installed or no namespace can be made.
 Block ids are random permutations on both sides; every byte is verified with xxh3 outside the timed
-part; GB/s is the median over repetitions.
-"""
+part; GB/s is the median over repetitions."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ client D uses to ask it (cached).
 P's ranks register in-process: no HTTP route changes what the server answers. With a deployment
 secret every answer carries a MAC over D's nonce and the answer, so D cannot be pointed at a fake P,
 nor handed an old answer. D asks only bootstrap servers its allow-list names (`PrefillAllowList`) and
-never repeats what a server said in its own errors.
-"""
+never repeats what a server said in its own errors."""
 
 from __future__ import annotations
 

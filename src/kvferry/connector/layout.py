@@ -24,8 +24,7 @@ class KVCacheSpec:
     `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`, C-contiguous.
 
     A block is one contiguous run of `block_bytes`; within it, the heads of one (layer, K|V) pair are
-    contiguous, so a tensor-parallel rank that owns heads [h0, h1) of a block is `num_layers * 2` runs.
-    """
+    contiguous, so a tensor-parallel rank that owns heads [h0, h1) of a block is `num_layers * 2` runs."""
 
     num_blocks: int
     num_layers: int
@@ -130,8 +129,7 @@ class KVLayout(abc.ABC):
     """Where a block's KV bytes live: named memory regions, and per block the byte runs of some heads.
 
     The runs of a block for given heads must come in the same order on P and D, so that run i on P is
-    written into run i on D and both sides checksum the same bytes.
-    """
+    written into run i on D and both sides checksum the same bytes."""
 
     num_blocks: int
     num_kv_heads: int

@@ -1,7 +1,6 @@
 """Prometheus metrics of one instance (names are a contract: docs/design.md).
 
-Each instance owns its registry, so several engines in one process (tests) never collide.
-"""
+Each instance owns its registry, so several engines in one process (tests) never collide."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 As in vLLM, the two halves only talk through the per-step `PDMetadata` (metadata.py), so they could live
 in different processes (the worker half is `worker.py`, the `KVConnector` facade `facade.py`, the
-configuration `config.py`). kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md).
-"""
+configuration `config.py`). kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md)."""
 
 from __future__ import annotations
 

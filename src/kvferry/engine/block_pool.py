@@ -2,8 +2,7 @@
 
 Block ids index the first axis of the KV cache array (see `KVCacheSpec`). A block is owned while its
 reference count is positive and free (on the free list) when it is zero; every failing call raises
-before changing anything.
-"""
+before changing anything."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The engine-core thread: schedule → connector meta → load → model → worker report → scheduler update.
 
 It is the only thread that touches scheduler state; everything else talks to it through a command
-queue, and it hands results back through per-request sinks.
-"""
+queue, and it hands results back through per-request sinks."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Facts this relies on (checked against transformers on SmolLM2-135M-Instruct): `g
 gives each tensor as float32 `[out, in]`; llama.cpp's converter permuted the rows of Q and K for
 ggml's interleaved RoPE, so they are un-permuted here to the rotate-half layout the numpy model uses;
 tied embeddings have no `output.weight`. The tokenizer is a byte-level BPE built from the GGUF's
-tokens and merges (digits split one by one, no prefix space) with its control tokens as special.
-"""
+tokens and merges (digits split one by one, no prefix space) with its control tokens as special."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 or a path to a Llama-family GGUF file or HF safetensors directory. Never downloads anything.
 
 A GGUF is converted once into a float32 HF directory under the cache (`$KVFERRY_CACHE`, default
-~/.cache/kvferry), keyed by the file's xxh3-128 hash, which later loads in well under a second.
-"""
+~/.cache/kvferry), keyed by the file's xxh3-128 hash, which later loads in well under a second."""
 
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ So the K/V written and the logits are the same bits whether a prompt is run in o
 position, continued from K/V copied in from elsewhere, decoded token by token, recomputed after a
 preemption, or batched with any other sequences at any place in the step (tests/engine/test_batched.py).
 This holds for one CPU type, numpy/OpenBLAS build and BLAS thread count: OpenBLAS splits a matmul
-differently with a different OPENBLAS_NUM_THREADS.
-"""
+differently with a different OPENBLAS_NUM_THREADS."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ class TinyLlama:
 
         Positions before start_pos must already be in the cache; the new K/V are written into it.
         Positions from `prompt_len` on are generated tokens (None: all are prompt positions); every
-        caller must say the same for a sequence, since the two kinds are computed differently.
-        """
+        caller must say the same for a sequence, since the two kinds are computed differently."""
         logits = self.forward_batch(kv_cache, block_size, [SeqChunk(token_ids, start_pos, block_table, prompt_len)])[0]
         assert logits is not None
         return logits

@@ -1,8 +1,7 @@
 """What each request's client sees: its output chunks, when it stops, and the per-request latency histograms.
 
 Only the engine thread calls in here (`Streams` is its table of live clients); a sink that raises is logged
-and never takes the engine down.
-"""
+and never takes the engine down."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ A generated position (a decoded token, or one recomputed after a preemption) is 
   * attention of the row at position p reads exactly p + 1 keys/values of its own sequence from a
     per-thread buffer of fixed capacity (shapes and strides depend on p only).
 So a sequence gets the same bits alone, among any others, at any place in the step, decoded token by
-token or recomputed in one call, and one sequence alone costs what it did before batching.
-"""
+token or recomputed in one call, and one sequence alone costs what it did before batching."""
 
 from __future__ import annotations
 

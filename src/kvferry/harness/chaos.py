@@ -4,8 +4,7 @@ mismatches, and (under `fail`) whether exactly the predicted requests failed wit
 
 The fault function is pure in (seed, name, transfer_id) and the proxy reports each request's
 transfer_id, so every outcome is predicted. Requests in flight while P was killed or frozen may also
-fail (peer_dead, or the proxy's 502 when P died mid-prefill): they are reported as "hit by P chaos".
-"""
+fail (peer_dead, or the proxy's 502 when P died mid-prefill): they are reported as "hit by P chaos"."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 `run_workload` sends OpenAI-style streaming completions with bounded concurrency, so TTFT is measured (an
 instance sends its response headers only once the first token exists, so TTFT is the time to the
-response headers); every outcome is classified (ok, failed with a cause, stuck, error).
-"""
+response headers); every outcome is classified (ok, failed with a cause, stuck, error)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def make_workload(n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[i
     """n requests of byte token ids, deterministic in (n, seed, ...).
 
     Lengths: the block edges 1, 15, 16, 17 and one `max_prompt`, then mostly short (2..128), some medium
-    (129..512) and `long_share` long ones (513..max_prompt), shuffled so long prompts are spread out.
-    """
+    (129..512) and `long_share` long ones (513..max_prompt), shuffled so long prompts are spread out."""
     rng = random.Random(seed)
     edges = [k for k in (1, 15, 16, 17, max_prompt) if k <= max_prompt]
     lengths = edges[:n]

@@ -19,8 +19,7 @@ Where the figures come from:
   transfer share of TTFT = sum of P's transfer seconds / sum of TTFT of the successful requests;
 - leaked blocks: after the run, /debug/state is polled until blocks_free == blocks_total, no transfer
   is pending and no request is held on both sides (deadline: `--abort-timeout` + 10 s, so leases that
-  P frees by timeout are waited for); what is still held at the deadline is the leak.
-"""
+  P frees by timeout are waited for); what is still held at the deadline is the leak."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
 Prints `{"address": ..., "pid": ...}` once listening, then answers one JSON line per command:
 grant, written, close_grant, stats, fill, digest, and write (this process as the sender, from its
 region). Exits when stdin closes.
-A separate process gives honest numbers (no GIL shared with the sender) and can be frozen or killed.
-"""
+A separate process gives honest numbers (no GIL shared with the sender) and can be frozen or killed."""
 
 from __future__ import annotations
 

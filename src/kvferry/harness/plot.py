@@ -1,8 +1,7 @@
 """`kvferry demo --plot`: per-request latency with fault markers, transfer throughput, blocks held.
 
 One function per panel; `write_plot` lays them out and draws what they share (fault lines, the end of
-the workload).
-"""
+the workload)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 of them is `harness.system`), and (through `Supervised`) the benches' vLLM servers and the tests' routers.
 
 Every child is stopped (SIGTERM, a bounded wait, then SIGKILL), also when the caller fails: by its own
-pid, or by its process group when it was started in one (servers that start processes of their own).
-"""
+pid, or by its process group when it was started in one (servers that start processes of their own)."""
 
 from __future__ import annotations
 
@@ -79,8 +78,7 @@ class Supervised:
     """One child process, its output in a temporary log file: stopped with a bounded wait, killed after it.
 
     `own_group`: the child leads a new session, and signals go to its whole process group (a server that
-    starts processes of their own, which would outlive a signal to the leader alone); else to its pid.
-    """
+    starts processes of their own, which would outlive a signal to the leader alone); else to its pid."""
 
     # What terminate() sends (after SIGCONT).
     stop_signal = signal.SIGTERM

@@ -22,8 +22,7 @@ class ReferenceWorker:
     """Greedy reference outputs from `TinyLlama.generate_greedy`, computed in a side process.
 
     Items are written to the child as JSON lines; a reader thread collects `{"index", "text"}` answers.
-    The child runs at nice 10 so that the system under test gets the CPU first.
-    """
+    The child runs at nice 10 so that the system under test gets the CPU first."""
 
     def __init__(self, seed: int, blas_threads: int, model: str = "tiny") -> None:
         self.results: dict[int, str] = {}

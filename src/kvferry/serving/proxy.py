@@ -1,6 +1,5 @@
 """The P/D proxy: one client request → a prefill on P and a decode on D, sent at the same time with one
-transfer_id (the pattern of vLLM's Mooncake proxy). D's answer is streamed back; D's 500 passes through.
-"""
+transfer_id (the pattern of vLLM's Mooncake proxy). D's answer is streamed back; D's 500 passes through."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ Guard rails around its sharp edges:
 - every call runs on a worker thread and the caller waits only until its deadline (Mooncake's own
   timeout is ≥ 5 s, 60 s during a handshake); a timed-out or repeatedly failing peer gets a fresh
   sending engine;
-- runs are coalesced before submission (Mooncake sends every entry as its own request).
-"""
+- runs are coalesced before submission (Mooncake sends every entry as its own request)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ that hangs costs at most that.
 
 The pure part (cells, outcomes, comparison, the table) is in fault_cells.py and unit-tested
 (tests/bench/test_vllm_faults.py); fault_rig.py holds the servers and the network, fault_matrix.py runs
-one cell, and this module the faults in order (FAULT_RUNS: one function per fault key).
-"""
+one cell, and this module the faults in order (FAULT_RUNS: one function per fault key)."""
 
 from __future__ import annotations
 

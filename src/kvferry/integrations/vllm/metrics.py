@@ -4,8 +4,7 @@ vLLM runs the connector's scheduler side in its engine-core process and serves `
 server process; the only road between them is vLLM's KV connector stats: the engine core hands
 `get_kv_connector_stats()` to the frontend with its scheduler stats, and the frontend's Prometheus logger
 passes them to the connector class's `build_prom_metrics(...).observe()`. Counts are deltas since the
-last call, so nothing is counted twice.
-"""
+last call, so nothing is counted twice."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ hundreds of MB) only to learn that there is no CUDA. The backend wheels themselv
 has something to decide (torch is loaded, or several backends are installed).
 
 NIXL's Python logger writes to stdout; it is moved to stderr here (stdout belongs to the program:
-`kvferry.harness.peer` speaks JSON lines on it) and kept at WARNING unless NIXL_LOG_LEVEL says.
-"""
+`kvferry.harness.peer` speaks JSON lines on it) and kept at WARNING unless NIXL_LOG_LEVEL says."""
 
 from __future__ import annotations
 

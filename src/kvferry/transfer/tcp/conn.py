@@ -15,8 +15,7 @@ message (at most `wire.AUTH_MSG_BYTES` + the tag) in a buffer of its own, decryp
 one call, and only then, under the grant's lock and only if the grant is still open, copies the
 plaintext to its ops' addresses and counts it. So no unverified byte ever reaches D's memory. A bad tag
 poisons the whole grant (`Grant.poison`: nothing of it counts, further writes are refused, so the
-transfer fails and D recomputes) and closes the connection. Malformed frames close it too.
-"""
+transfer fails and D recomputes) and closes the connection. Malformed frames close it too."""
 
 from __future__ import annotations
 

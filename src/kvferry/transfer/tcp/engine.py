@@ -10,8 +10,7 @@ into registered memory (the same kind of table), and bytes land only inside an o
 frame sizes). With a shared secret (argument or env KVFERRY_SECRET) both ends prove knowledge of it
 in a handshake bound to both nonces and both addresses, and every message and reply carries a tag
 under a per-connection key (`tcp_auth`, `mac`): a relayed handshake or an altered byte is refused, and
-an authenticated message counts as written only once its tag verified.
-"""
+an authenticated message counts as written only once its tag verified."""
 
 from __future__ import annotations
 

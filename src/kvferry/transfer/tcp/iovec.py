@@ -6,8 +6,7 @@ a numpy array of (address, length) rows handed to libc through ctypes (the GIL i
 the call). Linux only (the `msghdr` layout below is glibc's and musl's on 64-bit); elsewhere
 `AVAILABLE` is False and callers keep the memoryview path.
 
-Callers pass only addresses inside memory they keep alive and checked against its region.
-"""
+Callers pass only addresses inside memory they keep alive and checked against its region."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ Why AES-GCM: with AES-NI and carry-less multiply it runs at ~10 GB/s a core thro
 HMAC over the bytes run at 1-2 GB/s. The one-shot `encrypt_into` / `decrypt_into` calls write into
 buffers the caller reuses, and `decrypt_into` checks the tag in the same call: the receiver never uses
 a byte whose tag failed. A known-answer test runs at import; a library that fails it is refused (the
-data plane has no unencrypted fallback with a secret).
-"""
+data plane has no unencrypted fallback with a secret)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Vectorised with numpy: this runs once per write over thousands of small ops (the 2 KiB block case),
 and a per-op Python loop cost more than the bytes themselves. A message holds at most `wire.MSG_OPS`
 ops and `wire.MSG_BYTES` payload bytes (`wire.AUTH_MSG_BYTES` with a secret: each side encrypts or
-decrypts a whole message in one call, into buffers it reuses, and the receiver refuses larger ones).
-"""
+decrypts a whole message in one call, into buffers it reuses, and the receiver refuses larger ones)."""
 
 from __future__ import annotations
 

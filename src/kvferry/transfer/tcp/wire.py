@@ -6,8 +6,7 @@ Write message (client → server): MSG header, meta (region-name table + op tabl
 (the ops' bytes back to back, in op order).  The server answers every message with one REPLY: OK once
 every byte landed, or REJECTED/PROTOCOL with a reason (possibly before the payload was read).
 With a shared secret a message's payload is encrypted (AES-256-GCM, header and meta as associated
-data) and every message and every reply ends with a TAG_BYTES tag (see `auth`, `mac`).
-"""
+data) and every message and every reply ends with a TAG_BYTES tag (see `auth`, `mac`)."""
 
 from __future__ import annotations
 
