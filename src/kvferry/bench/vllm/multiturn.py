@@ -16,8 +16,7 @@ local_compute over its requests: 0 means none of them computed one), the inter-t
 streamed answers (p50, p99) and the answers equal to colocated's. (vLLM's per-request
 `vllm:request_prefill_kv_computed_tokens` would not do: on D it counts P's cache hits, which P hands D
 as `remote_prefill_cached_tokens` for the client's usage figures, not D's own compute.) `KVFERRY_BENCH_CONVERSATIONS` and
-`KVFERRY_BENCH_TURNS` size the run (default 3 × 4; `--quick` 2 × 3).
-"""
+`KVFERRY_BENCH_TURNS` size the run (default 3 × 4; `--quick` 2 × 3)."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench.report import report
+from kvferry.bench.report import ms, report
 from kvferry.bench.vllm.servers import (
     COMMON,
     LOOPBACK,
@@ -201,13 +200,9 @@ def turn_rows(system: str, run: Run, reference: dict[tuple[int, int], Answer] | 
                      "TTFT p99 s": percentile(ttfts, 99), **{f"D {s}": d[s] for s in SOURCES},
                      "D requests": d["finished"],
                      "D computed / request": d["local_compute"] / d["finished"] if d["finished"] else None,
-                     "ITL p50 ms": _ms(percentile(gaps, 50)), "ITL p99 ms": _ms(percentile(gaps, 99)),
+                     "ITL p50 ms": ms(percentile(gaps, 50)), "ITL p99 ms": ms(percentile(gaps, 99)),
                      "answers = colocated": same})
     return rows
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
 
 
 def _kv_config(kind: str, role: str, bootstrap: int) -> str:

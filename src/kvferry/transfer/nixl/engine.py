@@ -25,8 +25,7 @@ uses the ttl from arrival); P sends CANCEL when it gives up early (abort).
 
 The engine's `address` is `host:port` of a reserved port (bound, never listening): it names the
 engine for the control plane; the token carries what a sender needs, and the sender refuses a token
-whose address is not the peer it was told to write to.
-"""
+whose address is not the peer it was told to write to."""
 
 from __future__ import annotations
 
@@ -121,10 +120,6 @@ class NixlTransferEngine(TransferEngine):
     @property
     def address(self) -> str:
         return self._address
-
-    @property
-    def agent_name(self) -> str:
-        return self._name
 
     @property
     def stats(self) -> dict[str, int]:
