@@ -68,7 +68,7 @@ def _latency(url: str, model: str, prompts: list[str], max_tokens: int, d: Serve
     queued = metric_sum(d.metrics(), QUEUE_TIME) if d is not None else 0.0
     ttfts, gaps = [], []
     for prompt in prompts:
-        ttft, between = stream(url, model, prompt, max_tokens)
+        ttft, between, _ = stream(url, model, prompt, max_tokens)
         ttfts.append(ttft)
         gaps += between
     itl = sum(gaps) / max(1, len(gaps))
