@@ -82,8 +82,7 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
         first = time.perf_counter()
         if response.status_code != 200:
             raise RuntimeError(
-                f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}"
-            )
+                f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
         last_t, last_n = first, 1  # the response headers leave with the first token
         itl: list[float] = []
         parts: list[str] = []

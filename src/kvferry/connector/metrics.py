@@ -36,8 +36,7 @@ class Metrics:
                                              buckets=_TRANSFER_BUCKETS, registry=r)
         self.heartbeat_rtt_seconds = Histogram(
             "kvferry_heartbeat_rtt_seconds", "D: from a heartbeat to P's ack (P's liveness under load)",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0), registry=r,
-        )
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0), registry=r)
         self.requests_waiting_for_remote_kv = Gauge("kvferry_requests_waiting_for_remote_kv",
                                                     "Requests in WAITING_FOR_REMOTE_KVS", registry=r)
         self.requests_finished = Counter("kvferry_requests_finished", "Finished requests by finish reason",
@@ -48,9 +47,8 @@ class Metrics:
             "kvferry_recomputed_tokens", "Prompt tokens recomputed locally after a failed KV load", registry=r
         )
         self.progressive_writes = Counter(
-            "kvferry_progressive_writes", "P: partial writes of a prompt's KV started while its prefill still ran",
-            registry=r,
-        )
+            "kvferry_progressive_writes",
+            "P: partial writes of a prompt's KV started while its prefill still ran", registry=r)
         self.kv_leases_expired = Counter(
             "kvferry_kv_leases_expired", "Transfers whose blocks P freed because nobody pulled them", registry=r
         )
@@ -63,17 +61,15 @@ class Metrics:
         self.control_auth_failures = Counter(
             "kvferry_control_auth_failures",
             "Control messages dropped: not sealed with this deployment's secret, replayed or malformed",
-            ["side"], registry=r,
-        )
+            ["side"], registry=r)
         self.control_dropped = Counter(
             "kvferry_control_dropped",
             "What P's control port refused from strangers, by reason (handshake, auth, receiver, version, frames, "
             "connection cap, bad message)", ["reason"], registry=r,
         )
         self.unknown_connector_ids = Counter(
-            "kvferry_unknown_connector_ids", "Finished ids from the connector that the scheduler did not hold",
-            registry=r,
-        )
+            "kvferry_unknown_connector_ids",
+            "Finished ids from the connector that the scheduler did not hold", registry=r)
 
         self.time_to_first_token = Histogram("kvferry_time_to_first_token_seconds",
                                              "From arrival to the first output token", buckets=_TTFT_BUCKETS,

@@ -55,8 +55,7 @@ class PDWorker:
                 tp_size=c.tp_size, recv_timeout_s=c.recv_timeout_s, kv_load_deadline_s=c.kv_load_deadline_s,
                 checksums=c.checksums, faults=c.faults, heartbeat_interval_s=c.heartbeat_interval_s,
                 heartbeat_timeout_s=c.heartbeat_timeout_s, heartbeat_ceiling_s=c.heartbeat_ceiling_s,
-                secret=c.secret, prefill_allow=c.prefill_allow, bootstrap_timeout_s=c.bootstrap_timeout_s,
-            )
+                secret=c.secret, prefill_allow=c.prefill_allow, bootstrap_timeout_s=c.bootstrap_timeout_s)
             bootstrap = BootstrapClient(consumer_config.bootstrap_timeout_s, self.config.secret)
             self.consumer = Consumer(layout, engines, consumer_config, self.metrics, bootstrap)
             self._install_waker()

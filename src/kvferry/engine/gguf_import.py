@@ -103,8 +103,7 @@ def _tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int]
     pairs = [(a, b) for a, b in (merge.split(" ", 1) for merge in merges)]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     special = [tokens[i] for i, kind in enumerate(token_types) if kind == _CONTROL]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])

@@ -178,8 +178,7 @@ def wait_all_healthy(procs: Sequence[ManagedProcess], timeout: float) -> None:
             code = proc.exited()
             if code is not None:
                 raise RuntimeError(
-                    f"{proc.name} exited with {code} before it was healthy:\n{proc.output_tail()}"
-                )
+                    f"{proc.name} exited with {code} before it was healthy:\n{proc.output_tail()}")
             if proc.healthy():
                 pending.remove(proc)
         if not pending:

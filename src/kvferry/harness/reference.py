@@ -32,11 +32,8 @@ class ReferenceWorker:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "kvferry.harness.reference", "--seed", str(seed), "--model", model],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env={**os.environ, **blas_env(blas_threads)},
-        )
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            env={**os.environ, **blas_env(blas_threads)})
         self._reader = threading.Thread(target=self._read, name="kvferry-reference", daemon=True)
         self._reader.start()
 

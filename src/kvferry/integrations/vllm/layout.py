@@ -200,8 +200,7 @@ class VllmKVLayout(KVLayout):
             raise UnsupportedKVCacheError(f"{name}: negative strides are not supported")
         if cache.shape[0] != self.num_blocks * self._ratio:
             raise UnsupportedKVCacheError(
-                f"{name}: {cache.shape[0]} blocks, expected {self.num_blocks} x {self._ratio} kernel blocks"
-            )
+                f"{name}: {cache.shape[0]} blocks, expected {self.num_blocks} x {self._ratio} kernel blocks")
         isz = cache.element_size()
         order = sorted(range(cache.dim()), key=lambda i: cache.stride(i), reverse=True)
         dense = cache.permute(order)
