@@ -28,8 +28,8 @@ BLAS_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # Ports handed to children are picked below Linux's ephemeral range (32768-60999 by default): a port the
 # kernel gives to some bind(0) or outgoing connection meanwhile can then never collide with them.
 # A port is also never handed out twice by one process: a child that has not bound its port yet leaves it
-# free, and the next pick (say D's port right after P's) could be the same one (seen in CI: D failed to
-# bind, and P answered D's health checks and requests).
+# free, and the next pick (say D's port right after P's) could be the same one: D would fail to bind,
+# and P would answer D's health checks and requests.
 _PORT_RANGE = (20000, 32000)
 _port_rng = random.Random()
 _handed_out: set[int] = set()

@@ -10,8 +10,8 @@ complete inside the posting call; over UCX's tcp they need the sender's progress
 holds them) may still land bytes: until each has ended (done or failed, as NIXL reports it), the grant
 is *draining* and its memory must not be reused (`draining`, which D's consumer asks before it hands
 the blocks back). A read is never cancelled to end it sooner: NIXL's release of an active read over
-UCX's tcp reports success, and its bytes still land when the sender resumes (measured: all 64 MiB of
-a "cancelled" read landed after SIGCONT; tests/transfer/test_nixl_fence.py)."""
+UCX's tcp reports success, and its bytes still land when the sender resumes
+(tests/transfer/test_nixl_fence.py)."""
 
 from __future__ import annotations
 

@@ -44,9 +44,8 @@ MAX_OPS = MSG_OPS  # the receiver refuses more: nobody legitimate sends them
 MSG_BYTES = 256 << 20  # the sender's split size (payload bytes per message), without a secret
 # With a secret the receiver stages a whole message (ciphertext + tag), decrypts and verifies it in one
 # call and only then scatters it into the grant: a message is at most this much payload (the receiver
-# refuses more). Each side then holds two such buffers per connection. Measured on the dev box (CPU
-# s/GiB, sender + receiver, 16 KiB blocks): 0.9-1.1 at 1, 2 and 4 MiB alike with replies batched (conn's
-# `reply`); before that, one reply a message: 2.0 at 256 KiB, 1.4 at 512 KiB, 1.2-1.6 at 1 MiB.
+# refuses more). Each side then holds two such buffers per connection; with replies batched (conn's
+# `reply`) the CPU cost per GiB no longer falls past 1 MiB, so a bigger buffer only costs memory.
 AUTH_MSG_BYTES = 1 << 20
 MAX_REGIONS = 1024
 MAX_NAME = 255  # bytes of one region name
