@@ -63,13 +63,8 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     for setup in setups:
         d = sorted(setup.durations)
         assert len(setup.scheduler.remote) == setup.parked and len(setup.scheduler.running) == RUNNING
-        rows.append({
-            "parked": setup.parked,
-            "running": RUNNING,
-            "steps": len(d),
-            "median_us": statistics.median(d) * 1e6,
-            "p99_us": d[int(len(d) * 0.99) - 1] * 1e6,
-        })
+        rows.append({"parked": setup.parked, "running": RUNNING, "steps": len(d),
+                     "median_us": statistics.median(d) * 1e6, "p99_us": d[int(len(d) * 0.99) - 1] * 1e6})
     base = rows[1]["median_us"]
     for row in rows:
         row["x_vs_1k"] = row["median_us"] / base

@@ -110,18 +110,10 @@ def run_level(url: str, mode: str, concurrency: int, plan: ServePlan, pool: list
     tokens = sum(r.token_times[-1][1] if r.token_times else 0 for r in results)
     ttft = [r.ttft for r in results if r.ttft is not None]
     itl = [gap for r in results for gap in _itl(r)]
-    row = {
-        "mode": mode,
-        "concurrency": concurrency,
-        "requests": len(results),
-        "output_tok_s": tokens / wall,
-        "requests_s": len(results) / wall,
-        "ttft_p50_ms": ms(percentile(ttft, 50)),
-        "ttft_p99_ms": ms(percentile(ttft, 99)),
-        "itl_p50_ms": ms(percentile(itl, 50)),
-        "itl_p99_ms": ms(percentile(itl, 99)),
-        "bit_identical": None,
-    }
+    row = {"mode": mode, "concurrency": concurrency, "requests": len(results), "output_tok_s": tokens / wall,
+           "requests_s": len(results) / wall, "ttft_p50_ms": ms(percentile(ttft, 50)),
+           "ttft_p99_ms": ms(percentile(ttft, 99)), "itl_p50_ms": ms(percentile(itl, 50)),
+           "itl_p99_ms": ms(percentile(itl, 99)), "bit_identical": None}
     return row, results
 
 

@@ -121,13 +121,8 @@ def sse_event(line: str) -> dict[str, Any] | None:
 async def run_request(client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float,
                       timeout: float) -> None:
     """One streaming completion; fills `result` (times relative to the monotonic `t0`)."""
-    body = {
-        "prompt": item.prompt,
-        "max_tokens": item.max_tokens,
-        "temperature": 0,
-        "ignore_eos": item.ignore_eos,
-        "stream": True,
-    }
+    body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0,
+            "ignore_eos": item.ignore_eos, "stream": True}
     result.outcome, result.sent_at = "running", time.monotonic() - t0
     try:
         async with asyncio.timeout(timeout):

@@ -7,17 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-_CAUSE_COLORS = {
-    "transport": "tab:red",
-    "checksum": "tab:purple",
-    "error_reply": "tab:orange",
-    "err_reqs": "tab:brown",
-    "recv_timeout": "tab:pink",
-    "bootstrap": "tab:olive",
-    "deadline": "tab:cyan",
-    "peer_dead": "black",
-    "expired": "tab:gray",
-}
+_CAUSE_COLORS = {"transport": "tab:red", "checksum": "tab:purple", "error_reply": "tab:orange",
+                 "err_reqs": "tab:brown", "recv_timeout": "tab:pink", "bootstrap": "tab:olive",
+                 "deadline": "tab:cyan", "peer_dead": "black", "expired": "tab:gray"}
 
 
 def fault_events(timeline: dict[str, Any]) -> list[tuple[float, str]]:
