@@ -106,7 +106,7 @@ class Connections:
     def on_events(self, budget: int = EVENTS_PER_TURN) -> None:
         """Apply up to `budget` pending monitor events (in order), then evict down to the cap. A flood's
         backlog of events is worked off a slice per turn, between which the rank loop reads D's messages
-        and sends its replies (whole backlogs took up to 1 s under an idle-connection flood)."""
+        and sends its replies (under an idle-connection flood a whole backlog takes up to a second)."""
         for _ in range(budget):
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
