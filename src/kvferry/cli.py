@@ -284,19 +284,12 @@ def serve(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout, heartbeat_ceiling_s=args.heartbeat_ceiling,
             prefill_allow=tuple(allow.entries), bootstrap_timeout_s=args.bootstrap_timeout,
             control_port=args.control_port, data_port=args.data_port, advertise_host=advertised,
-            progressive_push=args.progressive_push, progressive_min_tokens=args.progressive_min_tokens,
-        )
+            progressive_push=args.progressive_push, progressive_min_tokens=args.progressive_min_tokens)
         scheduler_connector = PDConnector(ConnectorRole.SCHEDULER, pd_config, metrics)
         worker_connector = PDConnector(ConnectorRole.WORKER, pd_config, metrics)
-    config = EngineConfig(
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        seed=args.seed,
-        kv_load_failure_policy=args.kv_load_failure_policy,
-        max_prefill_chunk=args.max_prefill_chunk,
-        role=args.role,
-        engine_id=engine_id,
-    )
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, seed=args.seed,
+                          kv_load_failure_policy=args.kv_load_failure_policy,
+                          max_prefill_chunk=args.max_prefill_chunk, role=args.role, engine_id=engine_id)
     extra = {"kv_bootstrap_addr": join_addr(advertised, args.bootstrap_port)} if args.role == "prefill" else {}
     engine = Engine(config, scheduler_connector, worker_connector, metrics, loaded)
     engine.start()

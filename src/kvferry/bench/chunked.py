@@ -55,13 +55,8 @@ def _measure(chunk: int, long_prompt: int, reps: int) -> dict[str, Any]:
         waited = statistics.median(behind)
     finally:
         engine.stop()
-    return {
-        "max_prefill_chunk": chunk or "off",
-        "long_prompt": long_prompt,
-        "short_idle_s": round(idle, 4),
-        "short_behind_long_s": round(waited, 4),
-        "ratio": round(waited / idle, 1),
-    }
+    return {"max_prefill_chunk": chunk or "off", "long_prompt": long_prompt, "short_idle_s": round(idle, 4),
+            "short_behind_long_s": round(waited, 4), "ratio": round(waited / idle, 1)}
 
 
 def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:

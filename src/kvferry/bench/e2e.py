@@ -17,8 +17,7 @@ Where the figures come from:
   alone); kv_mib: the delta of `kvferry_kv_transfer_bytes_total`;
 - transfer_share_of_ttft: transfer_ms p50 / disaggregated TTFT p50; x_ttft_vs_colocated: disaggregated
   TTFT p50 / colocated TTFT p50.
-After the run, P and D must have freed every KV block, or the bench raises.
-"""
+After the run, P and D must have freed every KV block, or the bench raises."""
 
 from __future__ import annotations
 
@@ -30,9 +29,9 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench.report import report
+from kvferry.bench.report import ms, report
 from kvferry.harness.client import DONE, percentile, sse_event
-from kvferry.harness.sampler import MetricSnapshot, parse_metrics, require_drained
+from kvferry.harness.sampler import MetricSnapshot, get_metrics, require_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig
 
 OUTPUT_TOKENS = 16
@@ -83,8 +82,7 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
         first = time.perf_counter()
         if response.status_code != 200:
             raise RuntimeError(
-                f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}"
-            )
+                f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
         last_t, last_n = first, 1  # the response headers leave with the first token
         itl: list[float] = []
         parts: list[str] = []
@@ -110,12 +108,6 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
     return Measured(first - sent, itl, "".join(parts), tokens)
 
 
-def _metrics(client: httpx.Client, url: str) -> MetricSnapshot:
-    response = client.get(f"{url}/metrics", timeout=10.0)
-    response.raise_for_status()
-    return parse_metrics(response.text)
-
-
 def _delta(before: MetricSnapshot, after: MetricSnapshot, name: str) -> float:
     return after.value(name) - before.value(name)
 
@@ -132,25 +124,20 @@ def _row(mode: str, length: int, reps: int, s: Series) -> dict[str, Any]:
         "mode": mode,
         "prompt_tokens": length,
         "reps": reps,
-        "ttft_p50_ms": _ms(percentile(s.ttft_s, 50)),
-        "ttft_p99_ms": _ms(percentile(s.ttft_s, 99)),
-        "itl_p50_ms": _ms(percentile(s.itl_s, 50)),
-        "itl_p99_ms": _ms(percentile(s.itl_s, 99)),
-        "transfer_ms": _ms(percentile(s.transfer_s, 50)),
-        "p_write_ms": _ms(percentile(s.p_write_s, 50)),
+        "ttft_p50_ms": ms(percentile(s.ttft_s, 50)),
+        "ttft_p99_ms": ms(percentile(s.ttft_s, 99)),
+        "itl_p50_ms": ms(percentile(s.itl_s, 50)),
+        "itl_p99_ms": ms(percentile(s.itl_s, 99)),
+        "transfer_ms": ms(percentile(s.transfer_s, 50)),
+        "p_write_ms": ms(percentile(s.p_write_s, 50)),
         "kv_mib": (percentile(s.kv_bytes, 50) or 0) / 2**20 if s.kv_bytes else None,
         "transfer_share_of_ttft": None,
         "x_ttft_vs_colocated": None,
     }
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
-
-
-def measure(
-    colocated_url: str, proxy_url: str, p_url: str, d_url: str, plan: Sequence[tuple[int, int]]
-) -> list[dict[str, Any]]:
+def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
+            plan: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
     """Both modes, prompt length by prompt length; raises if an output differs between the modes."""
     rows: list[dict[str, Any]] = []
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
@@ -163,9 +150,9 @@ def measure(
             colocated, disaggregated = Series(), Series()
             for i, prompt in enumerate(prompts(length, reps)):
                 a = stream_completion(client, colocated_url, prompt, OUTPUT_TOKENS)
-                p_before, d_before = _metrics(client, p_url), _metrics(client, d_url)
+                p_before, d_before = get_metrics(client, p_url), get_metrics(client, d_url)
                 b = stream_completion(client, proxy_url, prompt, OUTPUT_TOKENS)
-                p_after, d_after = _metrics(client, p_url), _metrics(client, d_url)
+                p_after, d_after = get_metrics(client, p_url), get_metrics(client, d_url)
                 if (a.text, a.completion_tokens) != (b.text, b.completion_tokens):
                     raise RuntimeError(
                         f"outputs differ for prompt {i} of {length} tokens: colocated "
@@ -192,9 +179,8 @@ def measure(
     return rows
 
 
-def run(
-    json_path: str | None = None, quick: bool = False, *, plan: Sequence[tuple[int, int]] | None = None
-) -> list[dict[str, Any]]:
+def run(json_path: str | None = None, quick: bool = False, *,
+        plan: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Measure, print the table (and write --json); `plan` ((prompt tokens, reps), ...) overrides the
     default plan (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)

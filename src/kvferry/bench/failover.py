@@ -5,8 +5,7 @@ gets `kill -9` or SIGSTOP; we time until the client holds D's answer (HTTP 500, 
 is when the request left WAITING_FOR_REMOTE_KVS (plus a loopback round trip). P is then restarted at the
 same address, which must work at once. Side by side: kvferry's defaults (heartbeats + connection events)
 and liveness off, where only the receive timeout (abort timeout + 5 s; vLLM's Mooncake defaults are
-480 + 60 s) frees the request.
-"""
+480 + 60 s) frees the request."""
 
 from __future__ import annotations
 

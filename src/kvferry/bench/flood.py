@@ -9,8 +9,7 @@ fault-free one. TTFT: from sending to the first streamed token; the goal: >= 99 
 most 2x the quiet p99 measured next to it. `fds`: the flooded process's descriptors (P for its control
 port, D for its data port), before and at the peak of the flood phases; `drops`: what P counted in
 `kvferry_control_dropped_total`, or for D's data port the stranger's connections that D closed. A
-second table says where the time goes (with --json PATH, its rows go to PATH.costs.json).
-"""
+second table says where the time goes (with --json PATH, its rows go to PATH.costs.json)."""
 
 from __future__ import annotations
 

@@ -3,15 +3,13 @@
 For each repetition P prefills a request and D pulls it while P sits on the write (`slow` fault, a
 write that D's lease can cancel like a real one); then D gets `kill -9` or SIGSTOP (at a random phase of
 its heartbeats), and we time until P's block pool is whole again (`/debug/state`: blocks_free ==
-blocks_total). D stops heartbeating, so
-its lease (7 × 0.25 s) runs out, P cancels the writes to it and frees the blocks; the abort timeout
-(30 s here) no longer matters. D is restarted after each repetition.
+blocks_total). D stops heartbeating, so its lease (7 × 0.25 s) runs out, P cancels the writes to it and
+frees the blocks well before the abort timeout (30 s here). D is restarted after each repetition.
 
 Then starved but alive: 40 requests (12 with --quick) through each of two P/D systems at once, one
 with adaptive liveness (the default) and one with the fixed thresholds (`--heartbeat-ceiling 0`),
 while 3 CPU hogs per core spin, and again while P or D is also frozen in bursts (SIGSTOP/SIGCONT, the
-same for both systems): false `peer_dead` failures and P's expired leases, counted from /metrics.
-"""
+same for both systems): false `peer_dead` failures and P's expired leases, counted from /metrics."""
 
 from __future__ import annotations
 
@@ -59,12 +57,12 @@ def one(system: PDSystem, rng: random.Random, sig: signal.Signals) -> float:
 
 # ---- oversubscribed: slow is not dead ------------------------------------------------------------
 HOGS_PER_CORE = 3
-# (name, extra serve flags): the same build, adaptive (default) and with the old fixed thresholds.
+# (name, extra serve flags): the same build, adaptive (default) and with fixed thresholds.
 VARIANTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("adaptive (default)", ()),
     ("fixed (--heartbeat-ceiling 0)", ("--heartbeat-ceiling", "0")),
 )
-# P sits 0.5 s on every write (as the issue's run did), so D's heartbeats and P's lease matter.
+# P sits 0.5 s on every write, so D's heartbeats and P's lease matter.
 LOADED_FAULTS = "slow=500"
 IN_FLIGHT = 4  # requests at a time per system: both engines busy, not just the hogs
 PROMPT_TOKENS = (200, 1500)

@@ -5,8 +5,8 @@ Dynamo's published fault table (8 clients x 100 requests; kill -9 of a P, of a D
 proxy + 2 P + 2 D on loopback, every request a stream through the proxy (temperature 0, 24 tokens), and
 an answer counts as ok only when its stream ends with [DONE] and its text equals the fault-free text.
 `recovery_s`: from the fault until the first request sent after it is answered ok (how long new traffic
-is turned away or stalls); `worst_s`: the slowest request of the run. Dynamo's figures (their README):
-P killed 798/800 ok, recovery 42.3 s; their only D killed 200/800."""
+is turned away or stalls); `worst_s`: the slowest request of the run. The table's title quotes
+Dynamo's published figures beside ours."""
 
 from __future__ import annotations
 

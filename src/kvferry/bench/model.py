@@ -9,8 +9,7 @@ per step, as the engine runs them; transformers: a batch of 8 equal-length promp
 What batch invariance costs: the batch-8 decode again with every generated row's linear layers as one
 plain matrix product of the whole batch (`x @ W.T`, what a batched engine would do), beside ours, and
 whether a sequence's logits in that batch are still the bits it gets alone (OpenBLAS picks its kernel by
-the product's height, so they are not: that is why the engine does not do it).
-"""
+the product's height, so they are not: that is why the engine does not do it)."""
 
 from __future__ import annotations
 

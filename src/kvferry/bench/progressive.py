@@ -18,8 +18,7 @@ raises. Per length and link (p50 over the prompts):
 Links: loopback, then (root with `ip` and `tc`) a shaped one: both P in a network namespace behind a
 veth pair (harness/network.py) with `tc tbf`, at the rate that makes the transfer of the reference
 prompt's KV alone take as long as its colocated prefill; D, the proxies and the colocated instance on
-the host. Every instance must end with every KV block free, or the bench raises.
-"""
+the host. Every instance must end with every KV block free, or the bench raises."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ from kvferry.bench.report import report
 from kvferry.harness.client import percentile
 from kvferry.harness.network import VethLink
 from kvferry.harness.processes import LOOPBACK
-from kvferry.harness.sampler import MetricSnapshot, parse_metrics, require_drained
+from kvferry.harness.sampler import get_metrics, require_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig, Role
 
 OUTPUT_TOKENS = 4
@@ -96,18 +95,12 @@ def prompts(length: int, count: int) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
 
-def _metrics(client: httpx.Client, url: str) -> MetricSnapshot:
-    response = client.get(f"{url}/metrics", timeout=10.0)
-    response.raise_for_status()
-    return parse_metrics(response.text)
-
-
 def _one(client: httpx.Client, urls: tuple[str, ...], prompt: list[int]) -> Sample:
     """One request through `urls` (proxy, P, D; or the colocated instance alone)."""
     own, d = urls[1 if len(urls) > 1 else 0], urls[-1]
-    o0, d0 = _metrics(client, own), _metrics(client, d)
+    o0, d0 = get_metrics(client, own), get_metrics(client, d)
     measured = stream_completion(client, urls[0], prompt, OUTPUT_TOKENS)
-    o1, d1 = _metrics(client, own), _metrics(client, d)
+    o1, d1 = get_metrics(client, own), get_metrics(client, d)
     if len(urls) == 1:
         return Sample(measured.ttft_s, o1.value(_TTFT_SUM) - o0.value(_TTFT_SUM), measured.text)
     return Sample(measured.ttft_s, o1.value(_TTFT_SUM) - o0.value(_TTFT_SUM), measured.text,

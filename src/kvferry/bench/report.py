@@ -17,6 +17,10 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
 def report(title: str, rows: Sequence[dict[str, Any]], json_path: str | None = None) -> None:
     columns: list[str] = []
     for row in rows:

@@ -3,8 +3,7 @@
 The step here is everything the engine does per step except the model: schedule, connector metadata,
 worker report, update. A few requests keep decoding while 0, 1k or 10k wait for remote KV that never
 arrives; a scheduler that scanned parked requests would show it as growth. The three set-ups are
-stepped in interleaved rounds, so a noisy neighbour slows them alike.
-"""
+stepped in interleaved rounds, so a noisy neighbour slows them alike."""
 
 from __future__ import annotations
 
@@ -64,13 +63,8 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     for setup in setups:
         d = sorted(setup.durations)
         assert len(setup.scheduler.remote) == setup.parked and len(setup.scheduler.running) == RUNNING
-        rows.append({
-            "parked": setup.parked,
-            "running": RUNNING,
-            "steps": len(d),
-            "median_us": statistics.median(d) * 1e6,
-            "p99_us": d[int(len(d) * 0.99) - 1] * 1e6,
-        })
+        rows.append({"parked": setup.parked, "running": RUNNING, "steps": len(d),
+                     "median_us": statistics.median(d) * 1e6, "p99_us": d[int(len(d) * 0.99) - 1] * 1e6})
     base = rows[1]["median_us"]
     for row in rows:
         row["x_vs_1k"] = row["median_us"] / base

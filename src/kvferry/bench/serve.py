@@ -13,8 +13,7 @@ Figures: output tok/s and requests/s over the wall time of the level (first send
 time to the response headers (sent with the first token); ITL = the time between two stream events,
 spread over the tokens the later one brought. Every answer must be bit-identical to a one-at-a-time
 greedy run of its prompt in this process (`generate_greedy`: one sequence alone), or the bench raises
-(after printing the table): that is what batched decoding must not change.
-"""
+(after printing the table): that is what batched decoding must not change."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench.report import report
+from kvferry.bench.report import ms, report
 from kvferry.bench.vllm import load as vllm_load
 from kvferry.bench.vllm.servers import export_model
 from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_request, run_workload
@@ -111,18 +110,10 @@ def run_level(url: str, mode: str, concurrency: int, plan: ServePlan, pool: list
     tokens = sum(r.token_times[-1][1] if r.token_times else 0 for r in results)
     ttft = [r.ttft for r in results if r.ttft is not None]
     itl = [gap for r in results for gap in _itl(r)]
-    row = {
-        "mode": mode,
-        "concurrency": concurrency,
-        "requests": len(results),
-        "output_tok_s": tokens / wall,
-        "requests_s": len(results) / wall,
-        "ttft_p50_ms": _ms(percentile(ttft, 50)),
-        "ttft_p99_ms": _ms(percentile(ttft, 99)),
-        "itl_p50_ms": _ms(percentile(itl, 50)),
-        "itl_p99_ms": _ms(percentile(itl, 99)),
-        "bit_identical": None,
-    }
+    row = {"mode": mode, "concurrency": concurrency, "requests": len(results), "output_tok_s": tokens / wall,
+           "requests_s": len(results) / wall, "ttft_p50_ms": ms(percentile(ttft, 50)),
+           "ttft_p99_ms": ms(percentile(ttft, 99)), "itl_p50_ms": ms(percentile(itl, 50)),
+           "itl_p99_ms": ms(percentile(itl, 99)), "bit_identical": None}
     return row, results
 
 
@@ -131,10 +122,6 @@ def _vllm_client(venv: Any, url: str, mode: str, concurrency: int, plan: ServePl
     mean_prompt = sum(PROMPT_TOKENS) // 2
     return vllm_load.vllm_client_row(venv, url, served_name or plan.model, tokenizer, mode, concurrency,
                                      plan.requests(concurrency), mean_prompt, plan.output_tokens, workdir)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
 
 
 def references(plan: ServePlan, pool: list[list[int]]) -> list[str]:

@@ -13,8 +13,7 @@
 - mooncake: both engines in one subprocess inside a private network namespace (its listeners bind
   every interface); skipped when it is not installed or no namespace can be made.
 Block ids are random permutations on both sides; every byte is verified with xxh3 outside the timed
-part; GB/s is the median over repetitions.
-"""
+part; GB/s is the median over repetitions."""
 
 from __future__ import annotations
 
@@ -106,10 +105,8 @@ def bench_tcp(cases: list[Case], reps: int, div: int, seed: int, secret: str | N
     return bench_tcp_modes(cases, reps, div, seed, {"tcp": secret})["tcp"]
 
 
-def bench_tcp_modes(
-    cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None], memcpy: bool = False,
-    nixl: frozenset[str] = frozenset(),
-) -> dict[str, list[Result]]:
+def bench_tcp_modes(cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None],
+                    memcpy: bool = False, nixl: frozenset[str] = frozenset()) -> dict[str, list[Result]]:
     """One sender engine and one receiver process per mode (name → secret or None; the modes in `nixl`
     use the NIXL engine); per case the modes' repetitions alternate (with `memcpy`, an in-process copy
     of the same blocks goes first in each round, as "memcpy"), so a noisy box loads them alike."""
@@ -215,13 +212,8 @@ def bench_mooncake(cases: list[Case], reps: int, div: int, seed: int) -> tuple[l
         return None, "no private network namespace (unshare) for Mooncake's all-interface listeners"
     cfg = json.dumps({"cases": cases, "reps": reps, "div": div, "seed": seed})
     env = {**os.environ, "GLOG_minloglevel": "3"}
-    proc = subprocess.run(
-        [*prefix, sys.executable, "-m", "kvferry.bench.transfer", "--mooncake-worker", cfg],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = subprocess.run([*prefix, sys.executable, "-m", "kvferry.bench.transfer", "--mooncake-worker", cfg],
+                          capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0:
         return None, f"mooncake worker failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}"
     return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])], ""  # type: ignore[misc]

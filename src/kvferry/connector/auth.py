@@ -15,8 +15,7 @@ checked: the loopback-only default.
 
 With a secret the ZMQ connection itself is CurveZMQ too (`curve_server_keys`: P's key pair comes from
 the secret), so a stranger is turned away by libzmq's handshake before any frame reaches Python, and a
-tap reads nothing of the control plane (ids, tokens, digests, first tokens).
-"""
+tap reads nothing of the control plane (ids, tokens, digests, first tokens)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The scheduler role runs inside the engine-core thread and decides *what* to transfer; the worker role
 moves the bytes and reports, once per step, which requests finished sending or receiving and what each
 finished load lost (`LoadReport`). The connector never imports the scheduler: what it needs of a request and of a
-scheduler step is stated here as Protocols that the engine's types satisfy.
-"""
+scheduler step is stated here as Protocols that the engine's types satisfy."""
 
 from __future__ import annotations
 

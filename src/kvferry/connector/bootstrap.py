@@ -4,8 +4,7 @@ client D uses to ask it (cached).
 P's ranks register in-process: no HTTP route changes what the server answers. With a deployment
 secret every answer carries a MAC over D's nonce and the answer, so D cannot be pointed at a fake P,
 nor handed an old answer. D asks only bootstrap servers its allow-list names (`PrefillAllowList`) and
-never repeats what a server said in its own errors.
-"""
+never repeats what a server said in its own errors."""
 
 from __future__ import annotations
 
@@ -122,9 +121,8 @@ class BootstrapServer:
         app = FastAPI(title="kvferry bootstrap")
 
         @app.get("/query")
-        async def query(
-            engine_id: str | None = None, transfer_id: str | None = None, nonce: str = ""
-        ) -> dict[str, object]:
+        async def query(engine_id: str | None = None, transfer_id: str | None = None,
+                        nonce: str = "") -> dict[str, object]:
             if transfer_id and self.faults.fault_for(transfer_id) == "bootstrap":
                 raise HTTPException(503, "injected bootstrap fault")
             if engine_id is None:
@@ -282,10 +280,8 @@ class PrefillAllowList:
             )
 
 
-async def refused_alike(
-    allow: PrefillAllowList, bootstrap_addr: str, ask: Callable[[], Awaitable[T]],
-    answered_before: Callable[[str], bool], timeout_s: float = FAIL_AFTER_S,
-) -> T:
+async def refused_alike(allow: PrefillAllowList, bootstrap_addr: str, ask: Callable[[], Awaitable[T]],
+                        answered_before: Callable[[str], bool], timeout_s: float = FAIL_AFTER_S) -> T:
     """`ask()` only for an allowed target (host and port), bounded by `timeout_s`; any failure raises
     BootstrapError(REFUSED), `timeout_s` after the call began, whatever the cause (refused by the
     allow-list, closed, open but not kvferry, filtered, no MAC). Only a server that answered validly
@@ -305,10 +301,8 @@ async def refused_alike(
         raise BootstrapError(REFUSED) from None
 
 
-async def lookup_uniform(
-    client: BootstrapClient, allow: PrefillAllowList, bootstrap_addr: str, engine_id: str,
-    transfer_id: str | None, fresh: bool,
-) -> EngineInfo:
+async def lookup_uniform(client: BootstrapClient, allow: PrefillAllowList, bootstrap_addr: str,
+                         engine_id: str, transfer_id: str | None, fresh: bool) -> EngineInfo:
     """`client.lookup`, off the loop, under `refused_alike`'s rule and the client's bound."""
     loop = asyncio.get_running_loop()
     return await refused_alike(

@@ -7,8 +7,7 @@ are cheap: with a secret the digest is a MAC an attacker cannot compute. It is A
 0.9 / 1.5 GB/s), truncated to 64 bits so it keeps the digest's wire type. The key comes from the
 secret (HKDF, label "block digest") and the transfer id and grant token of one (D rank, P rank) pull;
 the nonce is the block's position in the pull, so no (key, nonce) pair is used for two blocks, and a
-block's digest is worth nothing at another position, in another pull or another transfer.
-"""
+block's digest is worth nothing at another position, in another pull or another transfer."""
 
 from __future__ import annotations
 

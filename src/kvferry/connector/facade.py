@@ -1,7 +1,6 @@
 """`PDConnector`: kvferry's P/D `KVConnector`, a thin facade per role, as vLLM's `nixl/connector.py`:
 it builds only its role's half, the scheduler half (`scheduler.py`) or the worker half (`worker.py`), and
-every method forwards to it. A call meant for the other role is a wiring bug and raises `WrongRole`.
-"""
+every method forwards to it. A call meant for the other role is a wiring bug and raises `WrongRole`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A scripted connector for tests and benchmarks: it reports what the test planned, at the step it chose.
 
-Both roles live in one object. Steps are counted by `get_finished` calls (once per engine step).
-"""
+Both roles live in one object. Steps are counted by `get_finished` calls (once per engine step)."""
 
 from __future__ import annotations
 

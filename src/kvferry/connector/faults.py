@@ -2,8 +2,7 @@
 
 SPEC is `name=probability,...` plus `seed=N`; `slow` takes milliseconds instead of a probability.
 Whether a fault fires is a pure function of (seed, name, transfer_id), so P, D, a test and `kvferry
-chaos` all agree on which transfers fail without talking to each other.
-"""
+chaos` all agree on which transfers fail without talking to each other."""
 
 from __future__ import annotations
 

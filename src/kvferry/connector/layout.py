@@ -24,8 +24,7 @@ class KVCacheSpec:
     `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`, C-contiguous.
 
     A block is one contiguous run of `block_bytes`; within it, the heads of one (layer, K|V) pair are
-    contiguous, so a tensor-parallel rank that owns heads [h0, h1) of a block is `num_layers * 2` runs.
-    """
+    contiguous, so a tensor-parallel rank that owns heads [h0, h1) of a block is `num_layers * 2` runs."""
 
     num_blocks: int
     num_layers: int
@@ -130,8 +129,7 @@ class KVLayout(abc.ABC):
     """Where a block's KV bytes live: named memory regions, and per block the byte runs of some heads.
 
     The runs of a block for given heads must come in the same order on P and D, so that run i on P is
-    written into run i on D and both sides checksum the same bytes.
-    """
+    written into run i on D and both sides checksum the same bytes."""
 
     num_blocks: int
     num_kv_heads: int
@@ -204,9 +202,8 @@ class KVLayout(abc.ABC):
             return "peer's KV layout orders a block's bytes differently (use the same VLLM_KV_CACHE_LAYOUT)"
         return None
 
-    def peer_block_runs(
-        self, block_id: int, heads: tuple[int, int], peer_num_blocks: int, peer: LayoutDescription | None = None
-    ) -> list[ByteRange]:
+    def peer_block_runs(self, block_id: int, heads: tuple[int, int], peer_num_blocks: int,
+                        peer: LayoutDescription | None = None) -> list[ByteRange]:
         """Runs of a block in a peer with the same layout but its own number of blocks (and its own memory,
         when it described it)."""
         if not 0 <= block_id < peer_num_blocks:
@@ -248,9 +245,8 @@ class PagedKVLayout(KVLayout):
     def block_bytes(self) -> int:
         return self.spec.block_bytes
 
-    def peer_block_runs(
-        self, block_id: int, heads: tuple[int, int], peer_num_blocks: int, peer: LayoutDescription | None = None
-    ) -> list[ByteRange]:
+    def peer_block_runs(self, block_id: int, heads: tuple[int, int], peer_num_blocks: int,
+                        peer: LayoutDescription | None = None) -> list[ByteRange]:
         if peer is not None:
             return super().peer_block_runs(block_id, heads, peer_num_blocks, peer)
         spec = dataclasses.replace(self.spec, num_blocks=peer_num_blocks)
@@ -316,14 +312,9 @@ def d_ranks_for(num_heads: int, p_tp: int, p_rank: int, d_tp: int, replicated: b
     return [d for d in range(d_tp) if overlap(num_heads, p_tp, p_rank, d_tp, d, replicated) is not None]
 
 
-def write_ops(
-    layout: KVLayout,
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    heads: tuple[int, int],
-    dst_num_blocks: int | None = None,
-    dst_layout: LayoutDescription | None = None,
-) -> list[WriteOp]:
+def write_ops(layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int], heads: tuple[int, int],
+              dst_num_blocks: int | None = None,
+              dst_layout: LayoutDescription | None = None) -> list[WriteOp]:
     """Ops copying `heads` of each src block into the matching dst block (in a peer with
     `dst_num_blocks` blocks, default: same as ours; laid out as `dst_layout` when the peer described
     its memory), adjacent runs merged.

@@ -3,8 +3,7 @@ records: the sends (`SendSpec`), a running prefill's progress (`Progress`) and t
 without KV (`Dead`).
 
 As in vLLM, the two halves only talk through the per-step `PDMetadata`, so they could live in
-different processes (the scheduler half is `scheduler.py`, the worker half `worker.py`).
-"""
+different processes (the scheduler half is `scheduler.py`, the worker half `worker.py`)."""
 
 from __future__ import annotations
 

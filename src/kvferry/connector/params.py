@@ -16,8 +16,7 @@ what kvferry itself needs to carry a request across.
 3. `validate_kv_transfer_params`: params that can never work (the API answers 400; the vLLM adapter
    ignores them). vLLM's requests never pass the HTTP edge, so this is all they are checked by.
 
-The params stay a dict after the check: unknown keys travel on (vLLM's own), which a record would drop.
-"""
+The params stay a dict after the check: unknown keys travel on (vLLM's own), which a record would drop."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 As in vLLM, the two halves only talk through the per-step `PDMetadata` (metadata.py), so they could live
 in different processes (the worker half is `worker.py`, the `KVConnector` facade `facade.py`, the
-configuration `config.py`). kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md).
-"""
+configuration `config.py`). kv_transfer_params use the names of vLLM's Mooncake proxy (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -78,16 +77,9 @@ class PDScheduler:
     def _pull_spec(self, request: RequestLike, block_ids: list[int], first_block: int = 0) -> PullSpec:
         params = request.kv_transfer_params or {}
         digest = self._digest(request) if block_ids else ""  # of the whole prompt, whatever D holds
-        return PullSpec(
-            request.request_id,
-            str(params["transfer_id"]),
-            block_ids,
-            str(params["remote_engine_id"]),
-            str(params["remote_bootstrap_addr"]),
-            request.num_prompt_tokens,
-            digest,
-            first_block,
-        )
+        return PullSpec(request.request_id, str(params["transfer_id"]), block_ids,
+                        str(params["remote_engine_id"]), str(params["remote_bootstrap_addr"]),
+                        request.num_prompt_tokens, digest, first_block)
 
     def _digest(self, request: RequestLike) -> str:
         return prompt_digest(list(request.prompt_token_ids), self.config.block_size, self.config.secret)

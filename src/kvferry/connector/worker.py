@@ -55,18 +55,15 @@ class PDWorker:
                 tp_size=c.tp_size, recv_timeout_s=c.recv_timeout_s, kv_load_deadline_s=c.kv_load_deadline_s,
                 checksums=c.checksums, faults=c.faults, heartbeat_interval_s=c.heartbeat_interval_s,
                 heartbeat_timeout_s=c.heartbeat_timeout_s, heartbeat_ceiling_s=c.heartbeat_ceiling_s,
-                secret=c.secret, prefill_allow=c.prefill_allow, bootstrap_timeout_s=c.bootstrap_timeout_s,
-            )
+                secret=c.secret, prefill_allow=c.prefill_allow, bootstrap_timeout_s=c.bootstrap_timeout_s)
             bootstrap = BootstrapClient(consumer_config.bootstrap_timeout_s, self.config.secret)
             self.consumer = Consumer(layout, engines, consumer_config, self.metrics, bootstrap)
             self._install_waker()
             return
-        self.producer = Producer(
-            layout, engines, self.config.host, self.config.abort_timeout_s,
-            self.config.faults, self.metrics, self.config.secret,
-            control_port=self.config.control_port, advertise_host=self.config.advertised_host,
-            tp_size=self.config.tp_size,
-        )
+        self.producer = Producer(layout, engines, self.config.host, self.config.abort_timeout_s,
+                                 self.config.faults, self.metrics, self.config.secret,
+                                 control_port=self.config.control_port,
+                                 advertise_host=self.config.advertised_host, tp_size=self.config.tp_size)
         self._install_waker()
         if self.config.tp_rank is not None:
             return  # one rank of several processes: the engine's owner serves the bootstrap

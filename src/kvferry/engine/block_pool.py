@@ -2,8 +2,7 @@
 
 Block ids index the first axis of the KV cache array (see `KVCacheSpec`). A block is owned while its
 reference count is positive and free (on the free list) when it is zero; every failing call raises
-before changing anything.
-"""
+before changing anything."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
             raise NoFreeBlocksError(
-                f"asked for {n} blocks but only {len(self._free)} of {self._num_blocks} are free"
-            )
+                f"asked for {n} blocks but only {len(self._free)} of {self._num_blocks} are free")
         block_ids = [self._free.popleft() for _ in range(n)]
         for block_id in block_ids:
             self._refcounts[block_id] = 1
@@ -100,8 +98,7 @@ class BlockPool:
         num_owned = sum(1 for count in self._refcounts if count > 0)
         if num_owned + len(self._free) != self._num_blocks:
             raise InvariantError(
-                f"free ({len(self._free)}) + used ({num_owned}) != total ({self._num_blocks})"
-            )
+                f"free ({len(self._free)}) + used ({num_owned}) != total ({self._num_blocks})")
 
     def _check_in_range(self, block_id: int) -> None:
         if not 0 <= block_id < self._num_blocks:

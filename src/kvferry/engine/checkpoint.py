@@ -30,8 +30,7 @@ def write_model_dir(checkpoint: Checkpoint, target: Path) -> None:
         (staging / "tokenizer.json").write_text(checkpoint.tokenizer_json)
         (staging / "tokenizer_config.json").write_text(dumps(tokenizer_config(checkpoint)))
         (staging / "special_tokens_map.json").write_text(
-            dumps({"bos_token": checkpoint.bos_token, "eos_token": checkpoint.eos_token})
-        )
+            dumps({"bos_token": checkpoint.bos_token, "eos_token": checkpoint.eos_token}))
         try:
             os.rename(staging, target)
         except OSError:

@@ -1,8 +1,7 @@
 """The engine-core thread: schedule → connector meta → load → model → worker report → scheduler update.
 
 It is the only thread that touches scheduler state; everything else talks to it through a command
-queue, and it hands results back through per-request sinks.
-"""
+queue, and it hands results back through per-request sinks."""
 
 from __future__ import annotations
 
@@ -65,14 +64,9 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        scheduler_connector: KVConnector | None = None,
-        worker_connector: KVConnector | None = None,
-        metrics: Metrics | None = None,
-        loaded: LoadedModel | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, scheduler_connector: KVConnector | None = None,
+                 worker_connector: KVConnector | None = None, metrics: Metrics | None = None,
+                 loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
         if loaded is None:
@@ -289,13 +283,9 @@ class Engine:
         # and each sequence gets the bits it would get alone (kvferry.engine.rows).
         block_tables = self.scheduler.block_tables
         seq_chunks = [
-            SeqChunk(
-                chunk.request.token_ids(chunk.start_pos, chunk.start_pos + chunk.num_tokens),
-                chunk.start_pos,
-                block_tables[chunk.request.request_id],
-                chunk.request.num_prompt_tokens,
-                want_logits=chunk.start_pos + chunk.num_tokens == chunk.request.num_tokens,
-            )
+            SeqChunk(chunk.request.token_ids(chunk.start_pos, chunk.start_pos + chunk.num_tokens),
+                     chunk.start_pos, block_tables[chunk.request.request_id], chunk.request.num_prompt_tokens,
+                     want_logits=chunk.start_pos + chunk.num_tokens == chunk.request.num_tokens)
             for chunk in out.chunks
         ]
         if seq_chunks:

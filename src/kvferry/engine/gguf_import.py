@@ -4,8 +4,7 @@ Facts this relies on (checked against transformers on SmolLM2-135M-Instruct): `g
 gives each tensor as float32 `[out, in]`; llama.cpp's converter permuted the rows of Q and K for
 ggml's interleaved RoPE, so they are un-permuted here to the rotate-half layout the numpy model uses;
 tied embeddings have no `output.weight`. The tokenizer is a byte-level BPE built from the GGUF's
-tokens and merges (digits split one by one, no prefix space) with its control tokens as special.
-"""
+tokens and merges (digits split one by one, no prefix space) with its control tokens as special."""
 
 from __future__ import annotations
 
@@ -93,14 +92,8 @@ def read_gguf(path: Path) -> Checkpoint:
             array = _unpermute(array, kv_heads)
         tensors[f"model.layers.{layer}.{names[kind]}.weight"] = array
     tokenizer_json = _tokenizer_json(tokens, list(fields["tokenizer.ggml.merges"]), list(fields["tokenizer.ggml.token_type"]))
-    return Checkpoint(
-        config,
-        tensors,
-        tokenizer_json,
-        str(fields["tokenizer.chat_template"]),
-        tokens[bos_id],
-        tokens[eos_id],
-    )
+    return Checkpoint(config, tensors, tokenizer_json, str(fields["tokenizer.chat_template"]), tokens[bos_id],
+                      tokens[eos_id])
 
 
 def _tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int]) -> str:
@@ -110,8 +103,7 @@ def _tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int]
     pairs = [(a, b) for a, b in (merge.split(" ", 1) for merge in merges)]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     special = [tokens[i] for i, kind in enumerate(token_types) if kind == _CONTROL]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])

@@ -2,8 +2,7 @@
 or a path to a Llama-family GGUF file or HF safetensors directory. Never downloads anything.
 
 A GGUF is converted once into a float32 HF directory under the cache (`$KVFERRY_CACHE`, default
-~/.cache/kvferry), keyed by the file's xxh3-128 hash, which later loads in well under a second.
-"""
+~/.cache/kvferry), keyed by the file's xxh3-128 hash, which later loads in well under a second."""
 
 from __future__ import annotations
 
@@ -125,18 +124,12 @@ def cached_model_dir(gguf_path: Path) -> Path:
 def from_checkpoint(ck: Checkpoint, name: str) -> LoadedModel:
     c = ck.config
     heads, kv_heads, hidden = int(c["num_attention_heads"]), int(c["num_key_value_heads"]), int(c["hidden_size"])
-    config = ModelConfig(
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(c["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(c.get("head_dim") or hidden // heads),
-        ffn_size=int(c["intermediate_size"]),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        rms_eps=float(c.get("rms_norm_eps", 1e-5)),
-        max_position=int(c.get("max_position_embeddings", 2048)),
-    )
+    config = ModelConfig(vocab_size=int(c["vocab_size"]), hidden_size=hidden,
+                         num_layers=int(c["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=int(c.get("head_dim") or hidden // heads),
+                         ffn_size=int(c["intermediate_size"]), rope_theta=float(c.get("rope_theta", 10000.0)),
+                         rms_eps=float(c.get("rms_norm_eps", 1e-5)),
+                         max_position=int(c.get("max_position_embeddings", 2048)))
     if c.get("rope_scaling"):
         raise ModelLoadError(f"{name}: rope_scaling is not supported")
     t = ck.tensors
@@ -150,14 +143,12 @@ def from_checkpoint(ck: Checkpoint, name: str) -> LoadedModel:
     for i in range(config.num_layers):  # checkpoints store [out, in], as the model does
         p = f"model.layers.{i}."
         layers.append(
-            LayerWeights(
-                attn_norm=take(p + "input_layernorm.weight"),
-                qkv=np.concatenate([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                o_proj=np.ascontiguousarray(take(p + "self_attn.o_proj.weight")),
-                mlp_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=np.concatenate([take(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]),
-                down=np.ascontiguousarray(take(p + "mlp.down_proj.weight")),
-            )
+            LayerWeights(attn_norm=take(p + "input_layernorm.weight"),
+                         qkv=np.concatenate([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                         o_proj=np.ascontiguousarray(take(p + "self_attn.o_proj.weight")),
+                         mlp_norm=take(p + "post_attention_layernorm.weight"),
+                         gate_up=np.concatenate([take(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]),
+                         down=np.ascontiguousarray(take(p + "mlp.down_proj.weight")))
         )
     embed = take("model.embed_tokens.weight")
     lm_head = t.pop("lm_head.weight", embed)

@@ -23,8 +23,7 @@ So the K/V written and the logits are the same bits whether a prompt is run in o
 position, continued from K/V copied in from elsewhere, decoded token by token, recomputed after a
 preemption, or batched with any other sequences at any place in the step (tests/engine/test_batched.py).
 This holds for one CPU type, numpy/OpenBLAS build and BLAS thread count: OpenBLAS splits a matmul
-differently with a different OPENBLAS_NUM_THREADS.
-"""
+differently with a different OPENBLAS_NUM_THREADS."""
 
 from __future__ import annotations
 
@@ -89,21 +88,13 @@ class TinyLlama:
         return np.zeros(spec.shape, dtype=np.float32)
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward(
-        self,
-        kv_cache: FloatArray,
-        block_size: int,
-        token_ids: Sequence[int],
-        start_pos: int,
-        block_table: Sequence[int],
-        prompt_len: int | None = None,
-    ) -> FloatArray:
+    def forward(self, kv_cache: FloatArray, block_size: int, token_ids: Sequence[int], start_pos: int,
+                block_table: Sequence[int], prompt_len: int | None = None) -> FloatArray:
         """Run positions [start_pos, start_pos + len(token_ids)) of one sequence; return the last one's logits.
 
         Positions before start_pos must already be in the cache; the new K/V are written into it.
         Positions from `prompt_len` on are generated tokens (None: all are prompt positions); every
-        caller must say the same for a sequence, since the two kinds are computed differently.
-        """
+        caller must say the same for a sequence, since the two kinds are computed differently."""
         logits = self.forward_batch(kv_cache, block_size, [SeqChunk(token_ids, start_pos, block_table, prompt_len)])[0]
         assert logits is not None
         return logits
@@ -157,15 +148,8 @@ class TinyLlama:
         hidden = np.ascontiguousarray(self.embed[np.asarray(tokens, dtype=np.int64)])
         return GeneratedRows(hidden, pos, np.concatenate(blocks) if blocks else pos, pos % block_size, spans)
 
-    def _validate(
-        self,
-        kv_cache: FloatArray,
-        block_size: int,
-        tokens: npt.NDArray[np.int64],
-        start_pos: int,
-        end_pos: int,
-        table: npt.NDArray[np.int64],
-    ) -> None:
+    def _validate(self, kv_cache: FloatArray, block_size: int, tokens: npt.NDArray[np.int64], start_pos: int,
+                  end_pos: int, table: npt.NDArray[np.int64]) -> None:
         cfg = self.config
         expected = (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
         if kv_cache.dtype != np.float32 or kv_cache.ndim != 6 or kv_cache.shape[1:] != expected:
@@ -183,15 +167,9 @@ class TinyLlama:
             raise ValueError(f"block table entries must be in [0, {kv_cache.shape[0]})")
 
     # ---- reference generation -------------------------------------------------------------------
-    def generate_greedy(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        stop_at_eos: bool = True,
-        eos_token_id: int = EOS_TOKEN_ID,
-    ) -> list[int]:
+    def generate_greedy(self, prompt_ids: Sequence[int], max_tokens: int, num_blocks: int | None = None,
+                        block_size: int = 16, stop_at_eos: bool = True,
+                        eos_token_id: int = EOS_TOKEN_ID) -> list[int]:
         """The colocated reference: one sequence alone, prefilled in one call, then decoded token by token."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")

@@ -1,8 +1,7 @@
 """Numeric pieces shared by the prompt-tile path (tiles.py) and the generated-row path (rows.py).
 
 `RowWeight.apply` is how every generated row meets a weight matrix: one vector-matrix product per row
-and per fixed panel of the matrix, so a row's bits never depend on the other rows of the step.
-"""
+and per fixed panel of the matrix, so a row's bits never depend on the other rows of the step."""
 
 from __future__ import annotations
 

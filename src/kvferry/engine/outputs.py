@@ -1,8 +1,7 @@
 """What each request's client sees: its output chunks, when it stops, and the per-request latency histograms.
 
 Only the engine thread calls in here (`Streams` is its table of live clients); a sink that raises is logged
-and never takes the engine down.
-"""
+and never takes the engine down."""
 
 from __future__ import annotations
 
@@ -87,18 +86,10 @@ class Streams:
         new_tokens = request.output_token_ids[stream.emitted :]
         stream.emitted = len(request.output_token_ids)
         finished = request.is_finished
-        output = RequestOutput(
-            request.request_id,
-            new_tokens,
-            finished,
-            request.status.finish_reason,
-            request.error_code,
-            request.error_message,
-            request.out_kv_transfer_params,
-            request.num_prompt_tokens,
-            len(request.output_token_ids),
-            request.num_recomputed_tokens,
-        )
+        output = RequestOutput(request.request_id, new_tokens, finished, request.status.finish_reason,
+                               request.error_code, request.error_message, request.out_kv_transfer_params,
+                               request.num_prompt_tokens, len(request.output_token_ids),
+                               request.num_recomputed_tokens)
         self._observe_latency(request, stream, len(new_tokens), finished)
         if finished:
             del self._streams[request.request_id]

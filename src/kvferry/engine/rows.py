@@ -12,8 +12,7 @@ A generated position (a decoded token, or one recomputed after a preemption) is 
   * attention of the row at position p reads exactly p + 1 keys/values of its own sequence from a
     per-thread buffer of fixed capacity (shapes and strides depend on p only).
 So a sequence gets the same bits alone, among any others, at any place in the step, decoded token by
-token or recomputed in one call, and one sequence alone costs what it did before batching.
-"""
+token or recomputed in one call, and one sequence alone costs what it did before batching."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def layer_step(ctx: ForwardContext, layer_index: int, w: LayerWeights, lin: RowL
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(m, kv_heads, head_dim)
     kv_cache[rows.blocks, layer_index, 0, :, rows.slots] = rope(k, cos, sin)
     kv_cache[rows.blocks, layer_index, 1, :, rows.slots] = qkv[:, (heads + kv_heads) * head_dim :].reshape(
-        m, kv_heads, head_dim
-    )
+        m, kv_heads, head_dim)
 
     attended = np.empty((m, heads * head_dim), dtype=np.float32)
     grouped = q.reshape(m, kv_heads, heads // kv_heads, head_dim)  # query head h is kv head h // group

@@ -1,8 +1,7 @@
 """Tokenizers behind one interface: the tiny model's bytes, or a real BPE (`tokenizers`) with a chat template.
 
 `TextCodec` is what the engine and the API need: ids ↔ text, the EOS id, an incremental detokenizer,
-and `apply_chat_template` (jinja2, rendered the way transformers renders it: trim_blocks, lstrip_blocks).
-"""
+and `apply_chat_template` (jinja2, rendered the way transformers renders it: trim_blocks, lstrip_blocks)."""
 
 from __future__ import annotations
 

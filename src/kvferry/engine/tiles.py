@@ -7,8 +7,7 @@ activations are row-wise; each linear layer is, for every tile, one `[panel rows
 bits never depend on the other rows or tiles of a fixed-shape product); attention of block b reads
 exactly `(b + 1) * block_size` keys/values from a per-thread buffer of fixed capacity, with keys after
 the call's last prompt position zeroed and masked: stale cache contents and the generated positions
-after a prompt never change a prompt position's bits.
-"""
+after a prompt never change a prompt position's bits."""
 
 from __future__ import annotations
 

@@ -80,14 +80,11 @@ def random_weights(cfg: ModelConfig) -> LlamaWeights:
     q_width = cfg.num_heads * cfg.head_dim
     kv_width = cfg.num_kv_heads * cfg.head_dim
     layers = [
-        LayerWeights(
-            attn_norm=np.ones(cfg.hidden_size, np.float32),
-            qkv=linear(cfg.hidden_size, q_width + 2 * kv_width),
-            o_proj=linear(q_width, cfg.hidden_size),
-            mlp_norm=np.ones(cfg.hidden_size, np.float32),
-            gate_up=linear(cfg.hidden_size, 2 * cfg.ffn_size),
-            down=linear(cfg.ffn_size, cfg.hidden_size),
-        )
+        LayerWeights(attn_norm=np.ones(cfg.hidden_size, np.float32),
+                     qkv=linear(cfg.hidden_size, q_width + 2 * kv_width),
+                     o_proj=linear(q_width, cfg.hidden_size), mlp_norm=np.ones(cfg.hidden_size, np.float32),
+                     gate_up=linear(cfg.hidden_size, 2 * cfg.ffn_size),
+                     down=linear(cfg.ffn_size, cfg.hidden_size))
         for _ in range(cfg.num_layers)
     ]
     return LlamaWeights(embed, layers, np.ones(cfg.hidden_size, np.float32), linear(cfg.hidden_size, cfg.vocab_size))

@@ -4,8 +4,7 @@ mismatches, and (under `fail`) whether exactly the predicted requests failed wit
 
 The fault function is pure in (seed, name, transfer_id) and the proxy reports each request's
 transfer_id, so every outcome is predicted. Requests in flight while P was killed or frozen may also
-fail (peer_dead, or the proxy's 502 when P died mid-prefill): they are reported as "hit by P chaos".
-"""
+fail (peer_dead, or the proxy's 502 when P died mid-prefill): they are reported as "hit by P chaos"."""
 
 from __future__ import annotations
 
@@ -112,9 +111,8 @@ def _hit(result: RequestResult, events: list[ChaosEvent]) -> bool:
     return any(result.sent_at <= e.end + 0.5 and e.start <= result.finished_at for e in events)
 
 
-def judge(
-    results: list[RequestResult], references: dict[int, str], spec: FaultSpec, policy: str, events: list[ChaosEvent]
-) -> Verdict:
+def judge(results: list[RequestResult], references: dict[int, str], spec: FaultSpec, policy: str,
+          events: list[ChaosEvent]) -> Verdict:
     v = Verdict()
     v.mismatched, v.unverified = against_reference(results, references)
     for r in results:
@@ -143,16 +141,10 @@ def run(args: argparse.Namespace) -> int:
     # The proxy rides out P's restarts (unreachable: backoff up to ~2 s each); KV-load failures are
     # retried only under recompute, so that under fail every prediction is checked.
     retries = "6" if args.policy == "recompute" else "0"
-    config = PDSystemConfig(
-        seed=args.seed,
-        policy=args.policy,
-        faults=spec.to_spec(),
-        num_blocks=4096,
-        abort_timeout=ABORT_TIMEOUT_S,
-        kv_load_deadline=30.0,
-        proxy_args=("--retries", retries, "--retry-unreachable", "6"),
-        serve_args=("--model", args.model),
-    )
+    config = PDSystemConfig(seed=args.seed, policy=args.policy, faults=spec.to_spec(), num_blocks=4096,
+                            abort_timeout=ABORT_TIMEOUT_S, kv_load_deadline=30.0,
+                            proxy_args=("--retries", retries, "--retry-unreachable", "6"),
+                            serve_args=("--model", args.model))
     try:
         items = workload(args.model, args.requests, args.seed, (4, 8), max_prompt=args.max_prompt, long_share=0.1)
     except ValueError as exc:  # ModelLoadError too

@@ -2,8 +2,7 @@
 
 `run_workload` sends OpenAI-style streaming completions with bounded concurrency, so TTFT is measured (an
 instance sends its response headers only once the first token exists, so TTFT is the time to the
-response headers); every outcome is classified (ok, failed with a cause, stuck, error).
-"""
+response headers); every outcome is classified (ok, failed with a cause, stuck, error)."""
 
 from __future__ import annotations
 
@@ -28,14 +27,12 @@ class WorkItem:
     question: str = ""  # the chat question behind `prompt` (real models), for the report
 
 
-def make_workload(
-    n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[int, int] = (8, 32), long_share: float = 0.12
-) -> list[WorkItem]:
+def make_workload(n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[int, int] = (8, 32),
+                  long_share: float = 0.12) -> list[WorkItem]:
     """n requests of byte token ids, deterministic in (n, seed, ...).
 
     Lengths: the block edges 1, 15, 16, 17 and one `max_prompt`, then mostly short (2..128), some medium
-    (129..512) and `long_share` long ones (513..max_prompt), shuffled so long prompts are spread out.
-    """
+    (129..512) and `long_share` long ones (513..max_prompt), shuffled so long prompts are spread out."""
     rng = random.Random(seed)
     edges = [k for k in (1, 15, 16, 17, max_prompt) if k <= max_prompt]
     lengths = edges[:n]
@@ -121,17 +118,11 @@ def sse_event(line: str) -> dict[str, Any] | None:
     return event
 
 
-async def run_request(
-    client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float, timeout: float
-) -> None:
+async def run_request(client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float,
+                      timeout: float) -> None:
     """One streaming completion; fills `result` (times relative to the monotonic `t0`)."""
-    body = {
-        "prompt": item.prompt,
-        "max_tokens": item.max_tokens,
-        "temperature": 0,
-        "ignore_eos": item.ignore_eos,
-        "stream": True,
-    }
+    body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0,
+            "ignore_eos": item.ignore_eos, "stream": True}
     result.outcome, result.sent_at = "running", time.monotonic() - t0
     try:
         async with asyncio.timeout(timeout):
@@ -180,14 +171,8 @@ async def run_request(
         result.finished_at = time.monotonic() - t0
 
 
-async def run_workload(
-    url: str,
-    items: Sequence[WorkItem],
-    results: Sequence[RequestResult],
-    t0: float,
-    concurrency: int = 4,
-    timeout: float = 90.0,
-) -> None:
+async def run_workload(url: str, items: Sequence[WorkItem], results: Sequence[RequestResult], t0: float,
+                       concurrency: int = 4, timeout: float = 90.0) -> None:
     """Send every item (at most `concurrency` in flight); `results[i]` is updated in place as it goes."""
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)

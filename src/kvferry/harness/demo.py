@@ -19,8 +19,7 @@ Where the figures come from:
   transfer share of TTFT = sum of P's transfer seconds / sum of TTFT of the successful requests;
 - leaked blocks: after the run, /debug/state is polled until blocks_free == blocks_total, no transfer
   is pending and no request is held on both sides (deadline: `--abort-timeout` + 10 s, so leases that
-  P frees by timeout are waited for); what is still held at the deadline is the leak.
-"""
+  P frees by timeout are waited for); what is still held at the deadline is the leak."""
 
 from __future__ import annotations
 
@@ -49,75 +48,37 @@ from kvferry.harness.trial import trial, workload
 DEFAULT_FAULTS = "transport=0.06,corrupt=0.04,error_reply=0.04,seed=7"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="smollm2",
-        help="smollm2 (default: SmolLM2-135M-Instruct answers chat questions), tiny (random weights, "
-        "byte prompts of 1 to --max-prompt tokens), or a GGUF file / HF directory",
-    )
-    parser.add_argument(
-        "--requests", type=int, default=None, help="number of requests (default 6 for a real model, 50 for tiny)"
-    )
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    parser.add_argument(
-        "--faults",
-        default=DEFAULT_FAULTS,
-        help=f"fault spec passed to P and D ('' for none; default {DEFAULT_FAULTS})",
-    )
-    parser.add_argument(
-        "--policy",
-        choices=["fail", "recompute"],
-        default="recompute",
-        help="kv_load_failure_policy of D (default recompute)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model weights and workload seed")
-    parser.add_argument(
-        "--max-prompt", type=int, default=2000, help="longest prompt in tokens (default 2000)"
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("MIN", "MAX"),
-        help="output length range (default 16 32 for a real model, which stops at EOS; 8 32 for tiny)",
-    )
-    parser.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks, help="KV blocks per instance")
-    parser.add_argument("--p-tp", type=int, default=1, help="tensor-parallel ranks of P")
-    parser.add_argument("--d-tp", type=int, default=1, help="tensor-parallel ranks of D")
-    parser.add_argument(
-        "--abort-timeout", type=float, default=None, help=f"P's --abort-timeout (s; default {PDConfig.abort_timeout_s:g} real model, 10 tiny)"
-    )
-    parser.add_argument(
-        "--kv-load-deadline", type=float, default=None, help=f"D's --kv-load-deadline (s; default {PDConfig.kv_load_deadline_s:g} real, 20 tiny)"
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="a request with no complete answer by then counts as stuck (s; default 300 real model, 90 tiny)",
-    )
-    parser.add_argument(
-        "--reference-timeout",
-        type=float,
-        default=120.0,
-        help="how long to wait, after the run, for the colocated reference (s)",
-    )
-    parser.add_argument(
-        "--blas-threads",
-        type=int,
-        default=default_blas_threads(),
-        help="BLAS threads of every numpy process (default: $OPENBLAS_NUM_THREADS or 1)",
-    )
-    parser.add_argument(
-        "--json", dest="json_path", default=None, metavar="PATH", help="write the report as JSON"
-    )
-    parser.add_argument(
-        "--plot", dest="plot_path", default=None, metavar="PATH", help="write a PNG (matplotlib)"
-    )
-    parser.add_argument("--no-live", action="store_true", help="no live view (plain progress lines)")
-    parser.add_argument("--keep-logs", action="store_true", help="keep the instances' log files")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default: SmolLM2-135M-Instruct answers chat questions), tiny (random weights, "
+                        "byte prompts of 1 to --max-prompt tokens), or a GGUF file / HF directory")
+    p.add_argument("--requests", type=int, default=None, help="number of requests (default 6 for a real model, 50 for tiny)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    p.add_argument("--faults", default=DEFAULT_FAULTS,
+                   help=f"fault spec passed to P and D ('' for none; default {DEFAULT_FAULTS})")
+    p.add_argument("--policy", choices=["fail", "recompute"], default="recompute",
+                   help="kv_load_failure_policy of D (default recompute)")
+    p.add_argument("--seed", type=int, default=0, help="model weights and workload seed")
+    p.add_argument("--max-prompt", type=int, default=2000, help="longest prompt in tokens (default 2000)")
+    p.add_argument("--max-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="output length range (default 16 32 for a real model, which stops at EOS; 8 32 for tiny)")
+    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks, help="KV blocks per instance")
+    p.add_argument("--p-tp", type=int, default=1, help="tensor-parallel ranks of P")
+    p.add_argument("--d-tp", type=int, default=1, help="tensor-parallel ranks of D")
+    p.add_argument("--abort-timeout", type=float, default=None,
+                   help=f"P's --abort-timeout (s; default {PDConfig.abort_timeout_s:g} real model, 10 tiny)")
+    p.add_argument("--kv-load-deadline", type=float, default=None,
+                   help=f"D's --kv-load-deadline (s; default {PDConfig.kv_load_deadline_s:g} real, 20 tiny)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="a request with no complete answer by then counts as stuck (s; default 300 real model, 90 tiny)")
+    p.add_argument("--reference-timeout", type=float, default=120.0,
+                   help="how long to wait, after the run, for the colocated reference (s)")
+    p.add_argument("--blas-threads", type=int, default=default_blas_threads(),
+                   help="BLAS threads of every numpy process (default: $OPENBLAS_NUM_THREADS or 1)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the report as JSON")
+    p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH", help="write a PNG (matplotlib)")
+    p.add_argument("--no-live", action="store_true", help="no live view (plain progress lines)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the instances' log files")
 
 
 async def _drive(run: DemoRun, console: Console, live: bool) -> None:
@@ -208,18 +169,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ModelLoadError too
         console.print(f"kvferry demo: --model: {exc}", style="red")
         return 2
-    config = PDSystemConfig(
-        seed=args.seed,
-        policy=args.policy,
-        faults=args.faults,
-        num_blocks=args.num_blocks,
-        prefill=Role(args=("--tp", str(args.p_tp))),
-        decode=Role(args=("--tp", str(args.d_tp))),
-        abort_timeout=args.abort_timeout,
-        kv_load_deadline=args.kv_load_deadline,
-        blas_threads=args.blas_threads,
-        serve_args=("--model", args.model),
-    )
+    config = PDSystemConfig(seed=args.seed, policy=args.policy, faults=args.faults,
+                            num_blocks=args.num_blocks, prefill=Role(args=("--tp", str(args.p_tp))),
+                            decode=Role(args=("--tp", str(args.d_tp))), abort_timeout=args.abort_timeout,
+                            kv_load_deadline=args.kv_load_deadline, blas_threads=args.blas_threads,
+                            serve_args=("--model", args.model))
     live = not args.no_live and console.is_terminal
     started = time.monotonic()
     with trial(config, items, args.model, console, args.keep_logs) as t:
@@ -227,11 +181,8 @@ def run(args: argparse.Namespace) -> int:
             system = t.system
             with console.status("starting prefill, decode and proxy on loopback ..."):
                 system.start()
-            console.print(
-                f"P {system.prefill.url}   D {system.decode.url}   proxy {system.proxy.url}   "
-                f"{len(items)} requests, {args.concurrency} in flight",
-                highlight=False,
-            )
+            console.print(f"P {system.prefill.url}   D {system.decode.url}   proxy {system.proxy.url}   "
+                          f"{len(items)} requests, {args.concurrency} in flight", highlight=False)
             sampler = SystemSampler({"p": system.prefill.url, "d": system.decode.url}, time.monotonic())
             demo = DemoRun(args, system, items, t.results, sampler, t.ref, started=sampler.t0)
             asyncio.run(_drive(demo, console, live))
@@ -254,9 +205,7 @@ def run(args: argparse.Namespace) -> int:
             write_plot(report, args.plot_path)
             console.print(f"plot written to {args.plot_path}", style="dim")
         except ImportError:
-            console.print(
-                "kvferry demo: --plot needs matplotlib (pip install 'kvferry[plot]'); no plot written",
-                style="yellow",
-            )
+            console.print("kvferry demo: --plot needs matplotlib (pip install 'kvferry[plot]'); no plot written",
+                          style="yellow")
     return 0 if report["ok"] else 1
 

@@ -45,19 +45,13 @@ def render(run: DemoRun, width: int = 120) -> Group:
     p_state, d_state = run.state("p"), run.state("d")
     p, d = _status_counts(p_state), _status_counts(d_state)
 
-    header = Text.assemble(
-        ("kvferry demo", "bold cyan"),
-        "  prefill + decode + proxy on loopback   ",
-        (run.phase, "bold"),
-        f"  {time.monotonic() - run.started:5.1f}s",
-    )
-    setup = Text.assemble(
-        ("policy ", "dim"), (a.policy, "yellow"), ("   faults ", "dim"), (a.faults or "none", "magenta")
-    )
+    header = Text.assemble(("kvferry demo", "bold cyan"), "  prefill + decode + proxy on loopback   ",
+                           (run.phase, "bold"), f"  {time.monotonic() - run.started:5.1f}s")
+    setup = Text.assemble(("policy ", "dim"), (a.policy, "yellow"), ("   faults ", "dim"),
+                          (a.faults or "none", "magenta"))
     bar = Table.grid(padding=(0, 1))
-    bar.add_row(
-        ProgressBar(total=len(run.results), completed=done, width=48), f"{done}/{len(run.results)} answered"
-    )
+    bar.add_row(ProgressBar(total=len(run.results), completed=done, width=48),
+                f"{done}/{len(run.results)} answered")
 
     requests = Table(title="requests", title_style="bold", header_style="dim")
     requests.add_column("state", no_wrap=True)

@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvferry.harness.network import _run
+from kvferry.harness.network import InNamespace, _run
 
 _CLONE_NEWNET = 0x40000000
 
@@ -67,20 +67,12 @@ def firewall_commands(allows: Sequence[Allow]) -> list[list[str]]:
 
 
 @dataclass(frozen=True)
-class Host:
+class Host(InNamespace):
     """One network namespace with address `ip` on the bridge."""
 
     name: str
     ns: str
     ip: str
-
-    @property
-    def prefix(self) -> list[str]:
-        """Command prefix that runs a program on this host (`ip netns exec` keeps the pid)."""
-        return ["ip", "netns", "exec", self.ns]
-
-    def exec(self, *cmd: str) -> None:
-        _run(*self.prefix, *cmd)
 
     def output(self, *cmd: str) -> str:
         result = subprocess.run([*self.prefix, *cmd], capture_output=True, text=True, timeout=20)

@@ -1,7 +1,6 @@
 """A /metrics page (Prometheus text format) as samples, read by prometheus_client's own parser.
 
-The harness (`sampler.parse_metrics`) and the benches (vLLM's /metrics) both read pages through here.
-"""
+The harness (`sampler.parse_metrics`) and the benches (vLLM's /metrics) both read pages through here."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Run a process in a private network namespace (only a loopback inside).
 
-Mooncake's listeners bind every interface without authentication, so its tests and bench run in one.
-"""
+Mooncake's listeners bind every interface without authentication, so its tests and bench run in one."""
 
 from __future__ import annotations
 

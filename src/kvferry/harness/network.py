@@ -37,8 +37,22 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {result.stderr.decode(errors='replace').strip()}")
 
 
+class InNamespace:
+    """Runs commands inside network namespace `ns`."""
+
+    ns: str
+
+    @property
+    def prefix(self) -> list[str]:
+        """Command prefix that runs a program inside the namespace (`ip netns exec` keeps the pid)."""
+        return ["ip", "netns", "exec", self.ns]
+
+    def exec(self, *cmd: str) -> None:
+        _run(*self.prefix, *cmd)
+
+
 @dataclass
-class VethLink:
+class VethLink(InNamespace):
     """Namespace `ns` holding the `inner` end (address `inner_ip`); the host holds `outer` (`outer_ip`)."""
 
     ns: str
@@ -68,14 +82,6 @@ class VethLink:
             link.close()
             raise
         return link
-
-    @property
-    def prefix(self) -> list[str]:
-        """Command prefix that runs a program inside the namespace (`ip netns exec` keeps the pid)."""
-        return ["ip", "netns", "exec", self.ns]
-
-    def exec(self, *cmd: str) -> None:
-        _run(*self.prefix, *cmd)
 
     def loss(self, probability: float) -> None:
         """Drop this share of packets, each way, at random."""

@@ -5,8 +5,7 @@
 Prints `{"address": ..., "pid": ...}` once listening, then answers one JSON line per command:
 grant, written, close_grant, stats, fill, digest, and write (this process as the sender, from its
 region). Exits when stdin closes.
-A separate process gives honest numbers (no GIL shared with the sender) and can be frozen or killed.
-"""
+A separate process gives honest numbers (no GIL shared with the sender) and can be frozen or killed."""
 
 from __future__ import annotations
 
@@ -96,9 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 class PeerProcess:
     """Parent-side handle: starts the peer, sends commands, and always stops it by pid."""
 
-    def __init__(
-        self, size: int, region: str = "dst", env: dict[str, str] | None = None, transfer: str = "tcp"
-    ) -> None:
+    def __init__(self, size: int, region: str = "dst", env: dict[str, str] | None = None,
+                 transfer: str = "tcp") -> None:
         self.region = region
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvferry.harness.peer", "--size", str(size), "--region", region,

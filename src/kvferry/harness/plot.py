@@ -1,24 +1,15 @@
 """`kvferry demo --plot`: per-request latency with fault markers, transfer throughput, blocks held.
 
 One function per panel; `write_plot` lays them out and draws what they share (fault lines, the end of
-the workload).
-"""
+the workload)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-_CAUSE_COLORS = {
-    "transport": "tab:red",
-    "checksum": "tab:purple",
-    "error_reply": "tab:orange",
-    "err_reqs": "tab:brown",
-    "recv_timeout": "tab:pink",
-    "bootstrap": "tab:olive",
-    "deadline": "tab:cyan",
-    "peer_dead": "black",
-    "expired": "tab:gray",
-}
+_CAUSE_COLORS = {"transport": "tab:red", "checksum": "tab:purple", "error_reply": "tab:orange",
+                 "err_reqs": "tab:brown", "recv_timeout": "tab:pink", "bootstrap": "tab:olive",
+                 "deadline": "tab:cyan", "peer_dead": "black", "expired": "tab:gray"}
 
 
 def fault_events(timeline: dict[str, Any]) -> list[tuple[float, str]]:
@@ -134,9 +125,8 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     timeline = report["timeline"]
-    fig, axes = plt.subplots(
-        3, 1, figsize=(11, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]}, layout="constrained"
-    )
+    fig, axes = plt.subplots(3, 1, figsize=(11, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]},
+                             layout="constrained")
     ax1, ax2, ax3 = axes
     cfg = report["config"]
     verdict = "PASS" if report["ok"] else "FAIL"

@@ -2,8 +2,7 @@
 of them is `harness.system`), and (through `Supervised`) the benches' vLLM servers and the tests' routers.
 
 Every child is stopped (SIGTERM, a bounded wait, then SIGKILL), also when the caller fails: by its own
-pid, or by its process group when it was started in one (servers that start processes of their own).
-"""
+pid, or by its process group when it was started in one (servers that start processes of their own)."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ BLAS_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # Ports handed to children are picked below Linux's ephemeral range (32768-60999 by default): a port the
 # kernel gives to some bind(0) or outgoing connection meanwhile can then never collide with them.
 # A port is also never handed out twice by one process: a child that has not bound its port yet leaves it
-# free, and the next pick (say D's port right after P's) could be the same one (seen in CI: D failed to
-# bind, and P answered D's health checks and requests).
+# free, and the next pick (say D's port right after P's) could be the same one: D would fail to bind,
+# and P would answer D's health checks and requests.
 _PORT_RANGE = (20000, 32000)
 _port_rng = random.Random()
 _handed_out: set[int] = set()
@@ -79,8 +78,7 @@ class Supervised:
     """One child process, its output in a temporary log file: stopped with a bounded wait, killed after it.
 
     `own_group`: the child leads a new session, and signals go to its whole process group (a server that
-    starts processes of their own, which would outlive a signal to the leader alone); else to its pid.
-    """
+    starts processes of their own, which would outlive a signal to the leader alone); else to its pid."""
 
     # What terminate() sends (after SIGCONT).
     stop_signal = signal.SIGTERM
@@ -93,14 +91,9 @@ class Supervised:
             prefix=f"{log_prefix}{name}-", suffix=".log", delete=False
         )
         self.log_path = self._log.name
-        self.popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else dict(env),
-            start_new_session=own_group,
-        )
+        self.popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log,
+                                      stderr=subprocess.STDOUT, env=None if env is None else dict(env),
+                                      start_new_session=own_group)
 
     @property
     def pid(self) -> int:
@@ -156,9 +149,8 @@ class ManagedProcess(Supervised):
     # the harness stops its children now, as Ctrl-C does. A test of the drain sends SIGTERM itself.
     stop_signal = signal.SIGINT
 
-    def __init__(
-        self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None,
+                 prefix: Sequence[str] = ()) -> None:
         self.args = list(args)
         self.prefix = list(prefix)  # e.g. `ip netns exec NS` (which keeps the pid)
         self.url = url
@@ -186,8 +178,7 @@ def wait_all_healthy(procs: Sequence[ManagedProcess], timeout: float) -> None:
             code = proc.exited()
             if code is not None:
                 raise RuntimeError(
-                    f"{proc.name} exited with {code} before it was healthy:\n{proc.output_tail()}"
-                )
+                    f"{proc.name} exited with {code} before it was healthy:\n{proc.output_tail()}")
             if proc.healthy():
                 pending.remove(proc)
         if not pending:

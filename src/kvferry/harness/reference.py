@@ -22,8 +22,7 @@ class ReferenceWorker:
     """Greedy reference outputs from `TinyLlama.generate_greedy`, computed in a side process.
 
     Items are written to the child as JSON lines; a reader thread collects `{"index", "text"}` answers.
-    The child runs at nice 10 so that the system under test gets the CPU first.
-    """
+    The child runs at nice 10 so that the system under test gets the CPU first."""
 
     def __init__(self, seed: int, blas_threads: int, model: str = "tiny") -> None:
         self.results: dict[int, str] = {}
@@ -33,11 +32,8 @@ class ReferenceWorker:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "kvferry.harness.reference", "--seed", str(seed), "--model", model],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env={**os.environ, **blas_env(blas_threads)},
-        )
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            env={**os.environ, **blas_env(blas_threads)})
         self._reader = threading.Thread(target=self._read, name="kvferry-reference", daemon=True)
         self._reader.start()
 
@@ -114,9 +110,8 @@ def _reference_main(argv: Sequence[str]) -> int:
     # Read everything first, so the parent's writes never wait on a busy child.
     items = [json.loads(raw) for raw in sys.stdin.read().splitlines() if raw.strip()]
     for item in items:
-        tokens = model.generate_greedy(
-            item["prompt"], int(item["max_tokens"]), stop_at_eos=not item["ignore_eos"], eos_token_id=codec.eos_token_id
-        )
+        tokens = model.generate_greedy(item["prompt"], int(item["max_tokens"]),
+                                       stop_at_eos=not item["ignore_eos"], eos_token_id=codec.eos_token_id)
         sys.stdout.write(json.dumps({"index": item["index"], "text": codec.decode(tokens)}) + "\n")
         sys.stdout.flush()
     return 0

@@ -84,23 +84,12 @@ def _timeline(run: DemoRun) -> dict[str, list[dict[str, Any]]]:
     """The sampled series, for --json and the plot (t = seconds since the workload started)."""
     sampler = run.sampler
     return {
-        "p_metrics": [
-            {
-                "t": round(t, 3),
-                "bytes": m.value(BYTES),
-                "transfers": m.value(TRANSFERS),
-                "expired": m.value(EXPIRED),
-            }
-            for t, m in sampler.metrics["p"]
-        ],
-        "d_metrics": [
-            {"t": round(t, 3), "failures": m.by_label(FAILURES, "cause"), "recomputed": m.value(RECOMPUTED)}
-            for t, m in sampler.metrics["d"]
-        ],
-        "p_state": [
-            {"t": round(t, 3), "blocks_held": _leak(st), "pending_sends": st.get("pending_sends")}
-            for t, st in sampler.states["p"]
-        ],
+        "p_metrics": [{"t": round(t, 3), "bytes": m.value(BYTES), "transfers": m.value(TRANSFERS),
+                       "expired": m.value(EXPIRED)} for t, m in sampler.metrics["p"]],
+        "d_metrics": [{"t": round(t, 3), "failures": m.by_label(FAILURES, "cause"),
+                       "recomputed": m.value(RECOMPUTED)} for t, m in sampler.metrics["d"]],
+        "p_state": [{"t": round(t, 3), "blocks_held": _leak(st), "pending_sends": st.get("pending_sends")}
+                    for t, st in sampler.states["p"]],
         "d_state": [{"t": round(t, 3), "blocks_held": _leak(st)} for t, st in sampler.states["d"]],
     }
 
@@ -127,15 +116,11 @@ def build_report(run: DemoRun) -> dict[str, Any]:
 
     problems: list[str] = []
     if outcomes["stuck"]:
-        problems.append(
-            f"{outcomes['stuck']} request(s) stuck: no complete answer within {a.request_timeout:.0f}s"
-        )
+        problems.append(f"{outcomes['stuck']} request(s) stuck: no complete answer within {a.request_timeout:.0f}s")
     if outcomes["error"]:
         first = next(r for r in results if r.outcome == "error")
-        problems.append(
-            f"{outcomes['error']} request(s) ended with an unexpected error, e.g. "
-            f"HTTP {first.http_status}: {first.error_message}"
-        )
+        problems.append(f"{outcomes['error']} request(s) ended with an unexpected error, e.g. "
+                        f"HTTP {first.http_status}: {first.error_message}")
     if failed and a.policy == "recompute":
         problems.append(f"{len(failed)} HTTP 500 under --policy recompute (a failed load must be recomputed)")
     if no_cause := [r.index for r in failed if not r.error_code]:
@@ -147,42 +132,26 @@ def build_report(run: DemoRun) -> dict[str, Any]:
         if leaked[side]:
             problems.append(f"{leaked[side]} KV block(s) leaked on {side}")
         if state.get("pending_pulls") or state.get("pending_sends"):
-            problems.append(
-                f"{side} still has transfers pending: pulls {state.get('pending_pulls')}, "
-                f"sends {state.get('pending_sends')}"
-            )
+            problems.append(f"{side} still has transfers pending: pulls {state.get('pending_pulls')}, "
+                            f"sends {state.get('pending_sends')}")
         if state.get("requests_by_status"):
             problems.append(f"{side} still holds requests: {state['requests_by_status']}")
     if mismatched:
-        problems.append(
-            f"{len(mismatched)} output(s) differ from the colocated reference (requests {mismatched})"
-        )
+        problems.append(f"{len(mismatched)} output(s) differ from the colocated reference (requests {mismatched})")
     if unverified:
-        problems.append(
-            f"{len(unverified)} output(s) not checked: the reference did not finish"
-            + (f" ({run.ref.error})" if run.ref.error else "")
-        )
+        problems.append(f"{len(unverified)} output(s) not checked: the reference did not finish"
+                        + (f" ({run.ref.error})" if run.ref.error else ""))
     if dead := run.system.dead():
         problems.append(f"process(es) died: {', '.join(dead)}")
 
     return {
         "ok": not problems,
         "problems": problems,
-        "config": {
-            "requests": a.requests,
-            "concurrency": a.concurrency,
-            "faults": a.faults,
-            "policy": a.policy,
-            "seed": a.seed,
-            "max_prompt": a.max_prompt,
-            "max_tokens": list(a.max_tokens),
-            "p_tp": a.p_tp,
-            "d_tp": a.d_tp,
-            "blas_threads": a.blas_threads,
-            "abort_timeout_s": a.abort_timeout,
-            "kv_load_deadline_s": a.kv_load_deadline,
-            "request_timeout_s": a.request_timeout,
-        },
+        "config": {"requests": a.requests, "concurrency": a.concurrency, "faults": a.faults,
+                   "policy": a.policy, "seed": a.seed, "max_prompt": a.max_prompt,
+                   "max_tokens": list(a.max_tokens), "p_tp": a.p_tp, "d_tp": a.d_tp,
+                   "blas_threads": a.blas_threads, "abort_timeout_s": a.abort_timeout,
+                   "kv_load_deadline_s": a.kv_load_deadline, "request_timeout_s": a.request_timeout},
         "runtime_s": round(time.monotonic() - run.started, 2),
         "workload_s": round(run.workload_s, 2),
         "drain_s": round(run.drain_s, 2),
@@ -205,11 +174,8 @@ def build_report(run: DemoRun) -> dict[str, Any]:
         "p_leases_expired": int(run.delta("p", EXPIRED)),
         "leaked_blocks": leaked,
         "final_state": {"prefill": p_state, "decode": d_state},
-        "ttft_ms": {
-            "p50": _ms(percentile(ttfts, 50)),
-            "p99": _ms(percentile(ttfts, 99)),
-            "mean": _ms(sum(ttfts) / len(ttfts) if ttfts else None),
-        },
+        "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99)),
+                    "mean": _ms(sum(ttfts) / len(ttfts) if ttfts else None)},
         "latency_ms": {"p50": _ms(percentile(latencies, 50)), "p99": _ms(percentile(latencies, 99))},
         "transfer": {
             "count": int(run.delta("p", TRANSFERS)),
@@ -246,11 +212,8 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
 
     row("requests", f"{q['total']}  (ok {q['ok']}, failed {q['failed']}, error {q['error']})")
     if report["failed_by_cause"]:
-        row(
-            "failed (HTTP 500) by cause",
-            ", ".join(f"{c} {n}" for c, n in report["failed_by_cause"].items()),
-            all(c != "none" for c in report["failed_by_cause"]),
-        )
+        row("failed (HTTP 500) by cause", ", ".join(f"{c} {n}" for c, n in report["failed_by_cause"].items()),
+            all(c != "none" for c in report["failed_by_cause"]))
     causes = report["kv_load_failures_by_cause"]
     row("KV load failures (D) by cause", ", ".join(f"{c} {n}" for c, n in causes.items()) or "none")
     row("recomputed", f"{q['recomputed']} requests, {report['recomputed_tokens']} prompt tokens")
@@ -259,30 +222,20 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     leaked = report["leaked_blocks"]
     leak_ok = leaked["prefill"] == 0 and leaked["decode"] == 0
     row("leaked blocks", f"P {leaked['prefill']}, D {leaked['decode']}", leak_ok)
-    row(
-        "output mismatches vs colocated",
+    row("output mismatches vs colocated",
         f"{q['mismatched']} of {q['checked']} checked"
         + (f" ({q['unverified']} unchecked)" if q["unverified"] else ""),
-        q["mismatched"] == 0 and q["unverified"] == 0,
-    )
+        q["mismatched"] == 0 and q["unverified"] == 0)
     ttft = report["ttft_ms"]
     row("TTFT p50 / p99", f"{_fmt_ms(ttft['p50'])} / {_fmt_ms(ttft['p99'])}")
     share = t["share_of_ttft"]
-    row(
-        "transfer share of TTFT",
-        "-" if share is None else f"{share * 100:.1f} %  ({t['seconds']:.2f} s of transfer)",
-    )
+    row("transfer share of TTFT",
+        "-" if share is None else f"{share * 100:.1f} %  ({t['seconds']:.2f} s of transfer)")
     gbps = t["gbps"]
-    row(
-        "KV transferred",
-        f"{t['count']} transfers, {t['bytes'] / 1e6:.1f} MB, "
-        + ("-" if gbps is None else f"{gbps:.3f} GB/s"),
-    )
-    row(
-        "wall time",
-        f"{report['runtime_s']:.1f} s (workload {report['workload_s']:.1f} s, "
-        f"drain {report['drain_s']:.1f} s)",
-    )
+    row("KV transferred", f"{t['count']} transfers, {t['bytes'] / 1e6:.1f} MB, "
+        + ("-" if gbps is None else f"{gbps:.3f} GB/s"))
+    row("wall time", f"{report['runtime_s']:.1f} s (workload {report['workload_s']:.1f} s, "
+        f"drain {report['drain_s']:.1f} s)")
     row("verdict", "PASS" if report["ok"] else "FAIL", report["ok"])
     console.print(table)
     for problem in report["problems"]:

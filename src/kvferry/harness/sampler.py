@@ -43,6 +43,12 @@ def parse_metrics(text: str) -> MetricSnapshot:
     return snap
 
 
+def get_metrics(client: httpx.Client, url: str) -> MetricSnapshot:
+    response = client.get(f"{url}/metrics", timeout=10.0)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
 async def fetch_metrics(client: httpx.AsyncClient, url: str) -> MetricSnapshot:
     response = await client.get(f"{url}/metrics", timeout=5.0)
     response.raise_for_status()
@@ -86,8 +92,7 @@ class SystemSampler:
     """Polls /metrics and /debug/state of each instance, each on its own loop, every `interval` seconds.
 
     `metrics[name]` and `states[name]` are lists of (seconds since `t0`, value) of the answers that came
-    back; a loop waiting on a busy engine (/debug/state runs on the engine thread) delays only itself.
-    """
+    back; a loop waiting on a busy engine (/debug/state runs on the engine thread) delays only itself."""
 
     def __init__(self, urls: dict[str, str], t0: float, interval: float = 0.25) -> None:
         self.urls = dict(urls)
@@ -123,24 +128,20 @@ class SystemSampler:
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop` is set; every loop polls once more after that, so the end is seen."""
 
-        async def loop(
-            poll: Callable[[httpx.AsyncClient, str], Any], client: httpx.AsyncClient, name: str
-        ) -> None:
+        async def loop(poll: Callable[[httpx.AsyncClient, str], Any], client: httpx.AsyncClient,
+                       name: str) -> None:
             while True:
                 started = time.monotonic()
                 await poll(client, name)
                 if stop.is_set():
                     return
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        stop.wait(), max(0.0, self.interval - (time.monotonic() - started))
-                    )
+                    await asyncio.wait_for(stop.wait(),
+                                           max(0.0, self.interval - (time.monotonic() - started)))
 
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
-            await asyncio.gather(
-                *(loop(self.poll_metrics, client, name) for name in self.urls),
-                *(loop(self.poll_state, client, name) for name in self.urls),
-            )
+            await asyncio.gather(*(loop(self.poll_metrics, client, name) for name in self.urls),
+                                 *(loop(self.poll_state, client, name) for name in self.urls))
 
 
 def require_drained(named: dict[str, str], timeout: float) -> None:

@@ -11,8 +11,7 @@ halfopen:  to D's data port (host:port), from each source address its N connecti
            byte, each reopened the moment D drops it (`HalfOpenFlood`)
 
 It prints `ready` once the flood is in place (every connection opened once; for halfopen, D has dropped
-as many as it holds), runs until SIGINT/SIGTERM or --seconds, and prints `opened N dropped M` at the end.
-"""
+as many as it holds), runs until SIGINT/SIGTERM or --seconds, and prints `opened N dropped M` at the end."""
 
 from __future__ import annotations
 

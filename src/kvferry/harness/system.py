@@ -3,8 +3,7 @@ and, as the baseline a bench compares with, a colocated (`--role both`) instance
 The harness and the benches start kvferry instances here only (tests/test_layers.py keeps it so).
 
 Use it as a context manager (or call stop() in a finally): every process it started is stopped by pid,
-also when the body raises or the user presses Ctrl-C.
-"""
+also when the body raises or the user presses Ctrl-C."""
 
 from __future__ import annotations
 

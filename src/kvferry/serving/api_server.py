@@ -190,9 +190,8 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
             return  # nowhere to send the release
         engine.reject(EngineRequest(new_request_id(), [], SamplingParams(), params, time.time()))
 
-    async def _admitted(
-        body: CompletionRequest, http_request: Request, chat: _Chat | None, request_id: str, pd: PDRequest
-    ) -> Response:
+    async def _admitted(body: CompletionRequest, http_request: Request, chat: _Chat | None, request_id: str,
+                        pd: PDRequest) -> Response:
         params = pd.kv_transfer_params
         if body.model is not None and body.model not in names:
             return JSONResponse(model_not_found(body.model), status_code=404)
@@ -205,10 +204,8 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
         max_tokens = 1 if pd.prefill_only else body.max_tokens
         return await _completions(body, http_request, request_id, params, max_tokens, chat)
 
-    async def _completions(
-        body: CompletionRequest, http_request: Request, request_id: str, kv_params: dict[str, Any] | None,
-        max_tokens: int, chat: _Chat | None,
-    ) -> Response:
+    async def _completions(body: CompletionRequest, http_request: Request, request_id: str,
+                           kv_params: dict[str, Any] | None, max_tokens: int, chat: _Chat | None) -> Response:
         if isinstance(body.prompt, str):
             prompt_ids = codec.encode(body.prompt)
         else:

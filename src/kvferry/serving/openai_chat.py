@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from kvferry.serving.openai_shapes import check_json_safe, error_body, usage
+from kvferry.serving.openai_shapes import OpenAIRequest, error_body, usage
 
 
 class TextPart(BaseModel):
@@ -34,10 +34,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    # Unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as vLLM does.
-    model_config = ConfigDict(extra="allow")
-
+class ChatCompletionRequest(OpenAIRequest):
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
@@ -50,12 +47,6 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _json_safe(cls, data: Any) -> Any:
-        check_json_safe(data)
-        return data
 
     def token_limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -80,16 +71,9 @@ def model_not_found(name: str) -> dict[str, Any]:
     return error_body(f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found")
 
 
-def chat_body(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    kv_transfer_params: dict[str, Any] | None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+              completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id.replace("cmpl-", "chatcmpl-", 1),
         "object": "chat.completion",
@@ -107,18 +91,10 @@ def chat_body(
     return body
 
 
-def chat_chunk(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    kv_transfer_params: dict[str, Any] | None,
-    extra: dict[str, Any] | None = None,
-    first: bool = False,
-    include_usage: bool = False,
-) -> dict[str, Any]:
+def chat_chunk(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+               completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
+               extra: dict[str, Any] | None = None, first: bool = False,
+               include_usage: bool = False) -> dict[str, Any]:
     delta: dict[str, Any] = {"content": text}
     if first:
         delta["role"] = "assistant"

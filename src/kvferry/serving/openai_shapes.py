@@ -35,10 +35,20 @@ def check_json_safe(value: Any, depth: int = 0) -> None:
             check_json_safe(v, depth + 1)
 
 
-class CompletionRequest(BaseModel):
-    # Unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as vLLM does.
+class OpenAIRequest(BaseModel):
+    """A request body: unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as vLLM
+    does; what JSON can carry but we cannot echo or forward is refused (`check_json_safe`)."""
+
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _json_safe(cls, data: Any) -> Any:
+        check_json_safe(data)
+        return data
+
+
+class CompletionRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | list[int] = Field(..., description="One prompt: text, or byte-level token ids")
     max_tokens: int = Field(16, ge=1, le=1_000_000)
@@ -49,12 +59,6 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _json_safe(cls, data: Any) -> Any:
-        check_json_safe(data)
-        return data
 
 
 class ErrorDetail(BaseModel):
@@ -94,23 +98,13 @@ def error_body(message: str, type_: str, code: str | int | None = None) -> dict[
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    kv_transfer_params: dict[str, Any] | None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+                    completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",

@@ -1,6 +1,5 @@
 """The P/D proxy: one client request → a prefill on P and a decode on D, sent at the same time with one
-transfer_id (the pattern of vLLM's Mooncake proxy). D's answer is streamed back; D's 500 passes through.
-"""
+transfer_id (the pattern of vLLM's Mooncake proxy). D's answer is streamed back; D's 500 passes through."""
 
 from __future__ import annotations
 
@@ -46,18 +45,16 @@ _DISCONNECT_POLL_S = 0.1
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "kvferry_proxy_requests", "Proxied requests by outcome", ["outcome"], registry=self.registry
-        )
+        self.requests = Counter("kvferry_proxy_requests", "Proxied requests by outcome", ["outcome"],
+                                registry=self.registry)
         self.migrations = Counter(
             "kvferry_proxy_migrations",
             "Answers whose D died mid-stream or aborted them, by outcome: resumed (a stream, on another D), "
             "retried (an answer the client had none of, asked of another D), or gave up",
             ["outcome"], registry=self.registry,
         )
-        self.ejections = Counter(
-            "kvferry_proxy_ejections", "Instances ejected after a failed connect", ["role"], registry=self.registry
-        )
+        self.ejections = Counter("kvferry_proxy_ejections", "Instances ejected after a failed connect",
+                                 ["role"], registry=self.registry)
 
 
 @dataclass(frozen=True)
@@ -71,15 +68,11 @@ class ProxyConfig:
     migrations: int = 2  # a stream whose D dies is resumed on another D at most this often
 
 
-def build_proxy_app(
-    prefill_urls: list[str],
-    decode_urls: list[str],
-    retries: int = ProxyConfig.retries,
-    sequential: bool = ProxyConfig.sequential,
-    retry_unreachable: int = ProxyConfig.retry_unreachable,
-    health_interval_s: float = ProxyConfig.health_interval_s,
-    migrations: int = ProxyConfig.migrations,
-) -> FastAPI:
+def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: int = ProxyConfig.retries,
+                    sequential: bool = ProxyConfig.sequential,
+                    retry_unreachable: int = ProxyConfig.retry_unreachable,
+                    health_interval_s: float = ProxyConfig.health_interval_s,
+                    migrations: int = ProxyConfig.migrations) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
     prefills = InstancePool([PrefillTarget(u.rstrip("/"), sequential=sequential, pinned=sequential)
                              for u in prefill_urls], client)
@@ -122,21 +115,15 @@ def build_proxy_app(
             return JSONResponse(error_body(f"decode {url} unavailable: {exc!r}", "proxy_error", 502), 502)
         return Response(r.content, r.status_code, media_type="application/json")
 
-    @app.post(
-        "/v1/completions",
-        response_model=None,
-        responses={**COMPLETION_200, **error_responses(400, 404, 500, 502)},
-        openapi_extra=request_body(CompletionRequest),
-    )
+    @app.post("/v1/completions", response_model=None,
+              responses={**COMPLETION_200, **error_responses(400, 404, 500, 502)},
+              openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _handle(request, "/v1/completions", CompletionRequest)
 
-    @app.post(
-        "/v1/chat/completions",
-        response_model=None,
-        responses={**COMPLETION_200, **error_responses(400, 404, 500, 502)},
-        openapi_extra=request_body(ChatCompletionRequest),
-    )
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**COMPLETION_200, **error_responses(400, 404, 500, 502)},
+              openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _handle(request, "/v1/chat/completions", ChatCompletionRequest)
 

@@ -39,10 +39,9 @@ class Outcome(enum.Enum):
 class PrefillConnections:
     """P's requests, each on a connection of its own while it runs, closed on every way out but a whole
     answer. Cancelling a request is how the proxy tells P to abort; cancelled mid-flight on a shared pool,
-    httpx left the socket open and out of the pool (measured: proxy fds 8 -> 27 over 4 D restarts under
-    load, never reclaimed). A connection whose answer was read in full is kept for the next request to
-    that P (a new connection per request cost ~1.7 ms of TTFT on a loaded box), at most `max_idle` per P
-    and for at most `idle_s` (below uvicorn's 5 s keep-alive, so P never closes one we are about to use)."""
+    httpx leaves the socket open and out of the pool, never reclaimed. A connection whose answer was read
+    in full is kept for the next request to that P (a new connection costs TTFT), at most `max_idle` per
+    P and for at most `idle_s` (below uvicorn's 5 s keep-alive, so P never closes one we are about to use)."""
 
     def __init__(self, max_idle: int = 8, idle_s: float = 2.0) -> None:
         self.max_idle = max_idle
@@ -173,9 +172,8 @@ class Attempt:
             content = error_body(r.text[:500], "proxy_error", r.status_code)
         return JSONResponse(content, r.status_code), Outcome.KV_FAILED if r.status_code >= 500 else Outcome.DONE
 
-    async def _relay(
-        self, d_response: httpx.Response, prefill: asyncio.Task[httpx.Response] | None
-    ) -> tuple[Response, Outcome]:
+    async def _relay(self, d_response: httpx.Response,
+                     prefill: asyncio.Task[httpx.Response] | None) -> tuple[Response, Outcome]:
         """D's answer for the client; a 500 kv_load_failed (before any token) is retryable."""
         if d_response.status_code != 200:
             content = await d_response.aread()
@@ -248,9 +246,8 @@ class Attempt:
             check_kv_transfer_params(params)
         except KVParamsShapeError as exc:
             return JSONResponse(error_body(f"prefill answer: {exc}", "proxy_error", 502), 502), Outcome.KV_FAILED
-        d_request = self.client.build_request(
-            "POST", f"{self.decode.url}{self.path}", json={**self.body, "kv_transfer_params": params}
-        )
+        d_request = self.client.build_request("POST", f"{self.decode.url}{self.path}",
+                                              json={**self.body, "kv_transfer_params": params})
         try:
             d_response = await self.client.send(d_request, stream=True)
         except httpx.HTTPError as exc:

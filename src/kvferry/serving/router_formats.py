@@ -9,8 +9,7 @@
   transfer from the bootstrap server named in the request, asking it which engine serves the room.
 
 A request whose P/D fields this instance cannot honour is refused (`ProtocolError` → HTTP 400): a P/D
-request must never be computed in full on both sides without anyone noticing.
-"""
+request must never be computed in full on both sides without anyone noticing."""
 
 from __future__ import annotations
 
@@ -122,8 +121,7 @@ class EngineResolver:
 
     The list is not MAC'd, and need not be: whoever answers can only name an engine id, which D then
     looks up at the same address with its nonce, and that answer must carry a valid MAC (with the
-    secret) before D pulls anything. A fake list cannot point D at another host nor at a fake P.
-    """
+    secret) before D pulls anything. A fake list cannot point D at another host nor at a fake P."""
 
     def __init__(self, allow: PrefillAllowList, timeout_s: float = FAIL_AFTER_S) -> None:
         self._allow = allow

@@ -1,8 +1,7 @@
 """`host:port` addresses of the data planes: one way to write them, split them and compare them.
 
 Both engines check that a grant token or handshake names the address the writer dialed, so every
-side must spell an address the same way (`canonical_addr`).
-"""
+side must spell an address the same way (`canonical_addr`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The receiving side only accepts bytes into ranges that one of its open *grants* allows (see
 `open_grant`), so a stale or hostile writer can never touch memory it was not invited into, and the
-receiver knows exactly which byte ranges each grant got completely written.
-"""
+receiver knows exactly which byte ranges each grant got completely written."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ class TransferEngine(abc.ABC):
         """Write `ops` into `peer` under its grant `token`; returns when all bytes landed.
 
         `deadline` is an absolute `time.monotonic()` value. Raises `TransferError` on any failure,
-        never later than the deadline (plus scheduling slack).
-        """
+        never later than the deadline (plus scheduling slack)."""
 
     def abort_writes(self, peer: str, token: str | None = None) -> None:  # noqa: B027 (optional: a no-op is correct)
         """Best effort: make the write to `peer` for grant `token` (all writes to `peer` when None) in

@@ -30,8 +30,7 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
 class Progress:
     """How far one incoming message got: ops[:done] complete, then `partial` bytes of ops[done].
 
-    The receive loop only bumps two integers per chunk; spans are built when someone asks.
-    """
+    The receive loop only bumps two integers per chunk; spans are built when someone asks."""
 
     __slots__ = ("names", "ridx", "offs", "lens", "done", "partial", "folded", "finished")
 

@@ -13,8 +13,7 @@ Guard rails around its sharp edges:
 - every call runs on a worker thread and the caller waits only until its deadline (Mooncake's own
   timeout is ≥ 5 s, 60 s during a handshake); a timed-out or repeatedly failing peer gets a fresh
   sending engine;
-- runs are coalesced before submission (Mooncake sends every entry as its own request).
-"""
+- runs are coalesced before submission (Mooncake sends every entry as its own request)."""
 
 from __future__ import annotations
 
@@ -165,9 +164,8 @@ class MooncakeTransferEngine(TransferEngine):
             link.engine = None  # the worker keeps the old one alive until its call returns
             link.failures = 0
 
-    def _plan(
-        self, remote: dict[str, tuple[int, int]], ops: Sequence[WriteOp]
-    ) -> tuple[list[tuple[list[int], list[int], list[int]]], list[Region]]:
+    def _plan(self, remote: dict[str, tuple[int, int]],
+              ops: Sequence[WriteOp]) -> tuple[list[tuple[list[int], list[int], list[int]]], list[Region]]:
         """Coalesced (src address, dst address, length) runs, in batches of ≤ MAX_ENTRIES."""
         srcs: list[int] = []
         dsts: list[int] = []
@@ -217,13 +215,8 @@ class MooncakeTransferEngine(TransferEngine):
 
 
 class _Job:
-    def __init__(
-        self,
-        link: _Link,
-        peer: str,
-        batches: list[tuple[list[int], list[int], list[int]]],
-        keep: list[Region],
-    ) -> None:
+    def __init__(self, link: _Link, peer: str, batches: list[tuple[list[int], list[int], list[int]]],
+                 keep: list[Region]) -> None:
         self.engine = link.engine
         self.busy = link.busy
         self.peer = peer

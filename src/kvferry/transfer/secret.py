@@ -25,8 +25,7 @@ tokens are that lucky (and are refused), a 43-character one from `kvferry secret
 bits then, and a secret that is part template, part random is counted at most that many bits high.
 
 Keys: HKDF (RFC 5869, SHA-256, pyca `cryptography`) over the secret, one `info` label per use, so a
-MAC made for one protocol is never valid in another (`LABELS`).
-"""
+MAC made for one protocol is never valid in another (`LABELS`)."""
 
 from __future__ import annotations
 

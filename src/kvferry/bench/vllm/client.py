@@ -13,32 +13,34 @@ import httpx
 # vllm-router's NIXL mode, as its captures show (tests/routers/captures): P is asked to keep the KV.
 ROUTER_NIXL_P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+VOCAB = ("river", "stone", "light", "paper", "garden", "engine", "cloud", "market", "silver", "window",
+         "orange", "doctor", "winter", "castle", "pencil", "rabbit", "forest", "bottle", "camera", "ladder")
 
 
 def prompt(seed: int, words: int = 900) -> str:
     """Random words (seeded): an answer that depends on every token's KV, unlike a repeating pattern."""
     rng = random.Random(seed)
-    vocab = ["river", "stone", "light", "paper", "garden", "engine", "cloud", "market", "silver", "window",
-             "orange", "doctor", "winter", "castle", "pencil", "rabbit", "forest", "bottle", "camera", "ladder"]
-    return "Continue the list: " + " ".join(rng.choice(vocab) for _ in range(words))
+    return "Continue the list: " + " ".join(rng.choice(VOCAB) for _ in range(words))
 
 
-def stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
-    """TTFT and the gaps between the later tokens of one streamed greedy completion."""
+def stream(url: str, model: str, prompt: str, max_tokens: int,
+           timeout: float = 300) -> tuple[float, list[float], str]:
+    """TTFT, the gaps between later chunks and the text of one streamed greedy completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    begin, stamps = time.monotonic(), []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+    begin, stamps, parts = time.monotonic(), [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}")
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("text"):
+                text = (json.loads(line[6:]).get("choices") or [{}])[0].get("text")
+                if text:
                     stamps.append(time.monotonic())
+                    parts.append(text)
     if not stamps:
         raise RuntimeError("no tokens streamed")
-    return stamps[0] - begin, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return stamps[0] - begin, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "".join(parts)
 
 
 def complete(url: str, model: str, text: str, max_tokens: int, timeout: float,

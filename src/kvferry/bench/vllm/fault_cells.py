@@ -40,10 +40,10 @@ RETRIES = 2  # KV-load failures before the first token retried per request (`kvf
 class Caps:
     """Every wait of the matrix is bounded by one of these (seconds)."""
 
-    answer: float = 120.0  # a client's request to D (NIXL over TCP resumed 26-35 s after a 10 s stall)
+    answer: float = 120.0  # a client's request to D (NIXL over TCP resumes tens of seconds after a stall)
     freed: float = 150.0  # P or D back to 0 KV blocks after the fault or D's request (NIXL's lease: 30 s)
     reading: float = 60.0  # both D's waiting for remote KV
-    start: float = 400.0  # a vllm serve to be healthy (2 loaded cores)
+    start: float = 400.0  # a vllm serve to be healthy (on a few loaded cores)
 
 
 CAPS = Caps()

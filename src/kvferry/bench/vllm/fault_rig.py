@@ -150,7 +150,6 @@ def wait_healthy(servers: list[Any], timeout: float) -> None:
         server.wait_healthy(timeout)
 
 
-
 def held(server: Any) -> dict[str, float] | None:
     try:
         m = server.metrics(timeout=3)
@@ -160,8 +159,8 @@ def held(server: Any) -> dict[str, float] | None:
             "kv_usage": round(metric_sum(m, "vllm:kv_cache_usage_perc"), 4)}
 
 
-# Undoing a fault is best effort: on a box at load 100 even `ip netns exec iptables` timed out (20 s),
-# and that must not end the matrix from its error path.
+# Undoing a fault is best effort: on an overloaded box even `ip netns exec iptables` can time out, and
+# that must not end the matrix from its error path.
 _UNDO_ERRORS = (RuntimeError, subprocess.TimeoutExpired)
 
 
@@ -173,8 +172,8 @@ class Link:
         self.p, self.d_ip = p_host, d_ip
 
     def cap(self, mbit: int) -> None:
-        # A short queue (20 ms, ~0.65 MB at 160 mbit): with `latency 2s` the qdisc held a whole 40 MB read
-        # before the fault landed, so a SIGSTOP or a DROP rule (OUTPUT runs before the qdisc) paused nothing.
+        # A short queue (20 ms): a long one holds a whole read before the fault lands, and a SIGSTOP or a
+        # DROP rule (OUTPUT runs before the qdisc) then pauses nothing.
         self.p.exec("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb",
                     "latency", "20ms")
 

@@ -30,8 +30,7 @@ that hangs costs at most that.
 
 The pure part (cells, outcomes, comparison, the table) is in fault_cells.py and unit-tested
 (tests/bench/test_vllm_faults.py); fault_rig.py holds the servers and the network, fault_matrix.py runs
-one cell, and this module the faults in order (FAULT_RUNS: one function per fault key).
-"""
+one cell, and this module the faults in order (FAULT_RUNS: one function per fault key)."""
 
 from __future__ import annotations
 
@@ -179,15 +178,13 @@ def _lease_out(b: _Bench) -> list[Cell]:
 
 FAULT_RUNS: dict[str, Callable[[_Bench], list[Cell]]] = {
     "clean": _clean, "corrupt": _corrupt, "stop_p": _stop_p, "partition": _partition, "stop_d": _stop_d,
-    "kill_d": _kill_d, "kill_p_reading": _kill_p_reading, "kill_p_rank": _kill_p_rank, "p_restarted": _p_restarted,
-    "kill_p_answered": _kill_p_answered, "lease_out": _lease_out,
-}
+    "kill_d": _kill_d, "kill_p_reading": _kill_p_reading, "kill_p_rank": _kill_p_rank,
+    "p_restarted": _p_restarted, "kill_p_answered": _kill_p_answered, "lease_out": _lease_out}
 # What a fault that kills a server leaves to repair once its cells are in (a repair that fails is the
 # harness's error, after the cells are kept).
 REPAIRS: dict[str, Callable[[_Bench], None]] = {
-    "kill_d": _Bench.restart_ds, "kill_p_reading": _Bench.restart_p, "kill_p_answered": _Bench.restart_p_short,
-    "kill_p_rank": _Bench.restart_p,
-}
+    "kill_d": _Bench.restart_ds, "kill_p_reading": _Bench.restart_p,
+    "kill_p_answered": _Bench.restart_p_short, "kill_p_rank": _Bench.restart_p}
 
 
 def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults: tuple[str, ...], caps: Caps,

@@ -9,8 +9,7 @@ served by an engine we did not write, in the same run.
   so the two engines never share the cores. vLLM computes differently (its own kernels), so its answers
   are only compared for information (`same text as kvferry`), never required to match.
 
-Both need the vllm-serve environment (`bash .ci/vllm-serve.sh --env-only`; `KVFERRY_VLLM_SERVE_VENV`).
-"""
+Both need the vllm-serve environment (`bash .ci/vllm-serve.sh --env-only`; `KVFERRY_VLLM_SERVE_VENV`)."""
 
 from __future__ import annotations
 

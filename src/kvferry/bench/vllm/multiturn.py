@@ -16,8 +16,7 @@ local_compute over its requests: 0 means none of them computed one), the inter-t
 streamed answers (p50, p99) and the answers equal to colocated's. (vLLM's per-request
 `vllm:request_prefill_kv_computed_tokens` would not do: on D it counts P's cache hits, which P hands D
 as `remote_prefill_cached_tokens` for the client's usage figures, not D's own compute.) `KVFERRY_BENCH_CONVERSATIONS` and
-`KVFERRY_BENCH_TURNS` size the run (default 3 × 4; `--quick` 2 × 3).
-"""
+`KVFERRY_BENCH_TURNS` size the run (default 3 × 4; `--quick` 2 × 3)."""
 
 from __future__ import annotations
 
@@ -36,7 +35,8 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench.report import report
+from kvferry.bench.report import ms, report
+from kvferry.bench.vllm.client import VOCAB, stream
 from kvferry.bench.vllm.servers import (
     COMMON,
     LOOPBACK,
@@ -55,9 +55,6 @@ from kvferry.harness.processes import free_port
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 FINISHED = "vllm:request_prefill_kv_computed_tokens_count"  # one per request D finished
-_VOCAB = ("river", "stone", "light", "paper", "garden", "engine", "cloud", "market", "silver", "window",
-          "orange", "doctor", "winter", "castle", "pencil", "rabbit", "forest", "bottle", "camera", "ladder")
-STREAM_TIMEOUT_S = 300.0
 SETTLE_S = 20.0  # D's counters of a wave's last request, on a loaded box
 
 
@@ -90,7 +87,7 @@ def message(conversation: int, turn: int, plan: Plan) -> str:
     rng = random.Random(conversation * 1000 + turn)
     words = plan.first_words if turn == 1 else plan.message_words
     opening = "Continue the list:" if turn == 1 else "\nUser: and now these:"
-    return f"{opening} {' '.join(rng.choice(_VOCAB) for _ in range(words))}\nAssistant:"
+    return f"{opening} {' '.join(rng.choice(VOCAB) for _ in range(words))}\nAssistant:"
 
 
 def next_prompt(previous: str, answer: str, new_message: str) -> str:
@@ -120,25 +117,6 @@ class Answer:
     text: str
 
 
-def stream_answer(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], str]:
-    """TTFT, the gaps between later chunks and the text of one streamed greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    begin, stamps, parts = time.monotonic(), [], []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=STREAM_TIMEOUT_S) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}")
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text = (json.loads(line[6:]).get("choices") or [{}])[0].get("text")
-                if text:
-                    stamps.append(time.monotonic())
-                    parts.append(text)
-    if not stamps:
-        raise RuntimeError("no tokens streamed")
-    return stamps[0] - begin, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "".join(parts)
-
-
 def _wave(url: str, model: str, plan: Plan, prompts: dict[int, str], turn: int) -> dict[tuple[int, int], Answer]:
     """One turn of every conversation, their requests `stagger_s` apart."""
     answers: dict[tuple[int, int], Answer] = {}
@@ -147,7 +125,7 @@ def _wave(url: str, model: str, plan: Plan, prompts: dict[int, str], turn: int) 
     def ask(c: int) -> None:
         time.sleep(c * plan.stagger_s)
         try:
-            ttft, gaps, text = stream_answer(url, model, prompts[c], plan.answer_tokens)
+            ttft, gaps, text = stream(url, model, prompts[c], plan.answer_tokens)
             answers[(c, turn)] = Answer(c, turn, ttft, gaps, text)
         except (RuntimeError, httpx.HTTPError) as exc:
             errors.append(f"conversation {c} turn {turn}: {exc}")
@@ -201,13 +179,9 @@ def turn_rows(system: str, run: Run, reference: dict[tuple[int, int], Answer] | 
                      "TTFT p99 s": percentile(ttfts, 99), **{f"D {s}": d[s] for s in SOURCES},
                      "D requests": d["finished"],
                      "D computed / request": d["local_compute"] / d["finished"] if d["finished"] else None,
-                     "ITL p50 ms": _ms(percentile(gaps, 50)), "ITL p99 ms": _ms(percentile(gaps, 99)),
+                     "ITL p50 ms": ms(percentile(gaps, 50)), "ITL p99 ms": ms(percentile(gaps, 99)),
                      "answers = colocated": same})
     return rows
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
 
 
 def _kv_config(kind: str, role: str, bootstrap: int) -> str:
@@ -251,7 +225,7 @@ def _measure(kind: str, vllm: str, model: str, plan: Plan,
     try:
         for group in groups:
             group.wait_healthy()
-        stream_answer(front.url, model, "warm-up: " + message(99, 1, plan), 4)
+        stream(front.url, model, "warm-up: " + message(99, 1, plan), 4)
         run = converse(front.url, model, plan, lambda: counters(d.metrics()), reference)
         return run, turn_rows(SYSTEMS[kind], run, reference, plan)
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:

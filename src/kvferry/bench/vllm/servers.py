@@ -25,7 +25,7 @@ LOOPBACK = "127.0.0.1"
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVFERRY_SECRET": HARNESS_SECRET}
 COMMON = ["--host", LOOPBACK, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
-# vLLM's NixlConnector as the user ran it: kv_both on both sides, KV buffers in host memory.
+# vLLM's NixlConnector as its users run it on CPU: kv_both on both sides, KV buffers in host memory.
 NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                "kv_load_failure_policy": "fail"}
 _EXCEPTION = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception): .*")

@@ -15,8 +15,7 @@ greedy completions at batch 1, the share of TTFT D spent waiting for the KV (D's
 `kill -9` of P (while P prefills a long prompt) until the client holds its answer. MooncakeConnector's
 listeners bind every interface, so the whole bench runs in a private network namespace with only a
 loopback. `KVFERRY_BENCH_SYSTEMS` picks the systems (bench/vllm/systems.py: the tensor-parallel rows, P TP 2 →
-D TP 1 beside P TP 1 → D TP 1 on a model TP 2 can split).
-"""
+D TP 1 beside P TP 1 → D TP 1 on a model TP 2 can split)."""
 
 from __future__ import annotations
 
@@ -69,7 +68,7 @@ def _latency(url: str, model: str, prompts: list[str], max_tokens: int, d: Serve
     queued = metric_sum(d.metrics(), QUEUE_TIME) if d is not None else 0.0
     ttfts, gaps = [], []
     for prompt in prompts:
-        ttft, between = stream(url, model, prompt, max_tokens)
+        ttft, between, _ = stream(url, model, prompt, max_tokens)
         ttfts.append(ttft)
         gaps += between
     itl = sum(gaps) / max(1, len(gaps))

@@ -9,8 +9,7 @@ Every other request asks one of REFERENCE_PROMPTS, whose greedy answer is compar
 `vllm serve` at the same settings (started and stopped first, alone); the rest ask a prompt never seen
 before, so P's prefix cache does not answer every prefill. A watchdog (soak_watch.py) records any request
 with no answer for STALL_S while P's and D's /health answer, with the evidence to name its cause.
-The load average is sampled every LOAD_EVERY_S: other processes on the box are part of what is measured.
-"""
+The load average is sampled every LOAD_EVERY_S: other processes on the box are part of what is measured."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ P's, D's and the proxy's processes (state and kernel wait channel from /proc), P
 (vLLM's queues and KV usage, kvferry's counters), whether P answers a one-token completion sent to it
 directly, a Python stack dump of every thread (faulthandler, registered for SIGUSR1 by the
 sitecustomize the bench puts on the servers' PYTHONPATH: vLLM registers no SIGUSR1 handler of its own,
-and SIGUSR1's default action would kill the server) and the last lines of each log.
-"""
+and SIGUSR1's default action would kill the server) and the last lines of each log."""
 
 from __future__ import annotations
 

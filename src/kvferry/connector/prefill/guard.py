@@ -12,8 +12,7 @@
   `UNPROVEN_MAX`; proven peers are never evicted.
 - **How big.** `MAX_FRAME_BYTES` (1 MiB + the envelope) per frame, `RCVHWM` queued messages per peer.
 - **How loud.** `DropLog`: one warning per reason per `LOG_EVERY_S`, every drop counted in
-  `kvferry_control_dropped_total{reason}`.
-"""
+  `kvferry_control_dropped_total{reason}`."""
 
 from __future__ import annotations
 
@@ -107,7 +106,7 @@ class Connections:
     def on_events(self, budget: int = EVENTS_PER_TURN) -> None:
         """Apply up to `budget` pending monitor events (in order), then evict down to the cap. A flood's
         backlog of events is worked off a slice per turn, between which the rank loop reads D's messages
-        and sends its replies (whole backlogs took up to 1 s under an idle-connection flood)."""
+        and sends its replies (under an idle-connection flood a whole backlog takes up to a second)."""
         for _ in range(budget):
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))

@@ -6,8 +6,7 @@ progressive push it does not wait idle: after each engine step the blocks the pr
 D at once, one partial write at a time per pull (so they land in order and their checksums line up);
 the final write after the prefill sends the rest, and its answer carries every block's checksum. A
 partial write that fails answers the pull ERROR at once. Only the rank loop's thread touches a parked
-pull; a send thread hands a partial write's outcome back through `part_done`.
-"""
+pull; a send thread hands a partial write's outcome back through `part_done`."""
 
 from __future__ import annotations
 

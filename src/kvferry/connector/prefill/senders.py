@@ -31,9 +31,8 @@ class PeerSenders:
                 raise RuntimeError("senders closed")
             self._queues.setdefault(peer, deque()).append(job)
             if peer not in self._threads:
-                thread = threading.Thread(
-                    target=self._work, args=(peer,), name=f"{self._name}-{peer}", daemon=True
-                )
+                thread = threading.Thread(target=self._work, args=(peer,), name=f"{self._name}-{peer}",
+                                          daemon=True)
                 self._threads[peer] = thread
                 thread.start()
             self._cond.notify_all()

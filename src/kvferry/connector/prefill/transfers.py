@@ -9,8 +9,7 @@ in-flight write; a write is a handle, so a late or repeated completion cannot dr
 A partial write (progressive push: blocks of a prefill still running) is a `Write` like any other, so a
 request that ends without KV while one is in flight lends its blocks here until it returns.
 Shared by the engine thread (working / progress / ready / dead) and the rank threads under one lock; freed
-transfers reach the engine as `finished_sending`.
-"""
+transfers reach the engine as `finished_sending`."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ AnswerKey = tuple[str, int, int, str]  # (transfer_id, P rank, D rank, D's grant
 
 
 class TransferTable:
-    def __init__(
-        self, abort_timeout_s: float, metrics: Metrics, pairs: Callable[[int], set[tuple[int, int]]]
-    ) -> None:
+    def __init__(self, abort_timeout_s: float, metrics: Metrics,
+                 pairs: Callable[[int], set[tuple[int, int]]]) -> None:
         self.abort_timeout_s = abort_timeout_s
         self.metrics = metrics
         self._pairs = pairs  # D tp size → the (P rank, D rank) pairs a transfer must serve

@@ -15,8 +15,7 @@
 
 Only this package imports vLLM; `import kvferry` never does. Its vLLM-free modules (settings, layout,
 groups, affinity) import without vLLM, so the facade is imported here only when vLLM is installed;
-without it, asking for `KVFerryConnector` raises the ImportError that says how to install vLLM.
-"""
+without it, asking for `KVFerryConnector` raises the ImportError that says how to install vLLM."""
 
 from __future__ import annotations
 

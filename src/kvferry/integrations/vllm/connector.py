@@ -40,8 +40,7 @@ What kvferry requires of vLLM's scheduler, and where it comes from:
   the request waits in P's queue; otherwise D's receive timeout (and P's abort timeout on a parked pull)
   would count P's queueing time. vLLM calls `on_new_request` when a request is added (0.33), and
   `get_num_new_matched_tokens` whenever it considers a waiting request (earlier versions have only
-  this one, and vLLM skips it while every run slot is taken); both report the request, once.
-"""
+  this one, and vLLM skips it while every run slot is taken); both report the request, once."""
 
 from __future__ import annotations
 
@@ -93,8 +92,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)
         self.settings = KVFerrySettings.from_extra_config(extra, str(kv_config.engine_id)).for_data_parallel(
-            int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra
-        )
+            int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra)
         self.block_size = int(vllm_config.cache_config.block_size)
         # vLLM's KV cache groups (hybrid allocator): which blocks of which layers move (groups.py)
         self.groups = None if kv_cache_config is None else KVGroups.from_config(kv_cache_config, self.block_size)

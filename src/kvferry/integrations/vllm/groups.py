@@ -17,8 +17,7 @@ in its own list (`KVGroups.pull_positions`).
 
 Not supported, refused at start by name: mamba/SSM state groups (their state is one slot per request,
 not per token block), chunked local attention, cross attention and other special specs, groups with
-different block sizes, and groups vLLM marks as not transferable.
-"""
+different block sizes, and groups vLLM marks as not transferable."""
 
 from __future__ import annotations
 
@@ -47,10 +46,6 @@ class KVGroup:
 class KVGroups:
     groups: tuple[KVGroup, ...]
     block_size: int
-
-    @classmethod
-    def single(cls, layer_names: Sequence[str], block_size: int) -> KVGroups:
-        return cls((KVGroup(tuple(layer_names), None),), block_size)
 
     @classmethod
     def from_config(cls, kv_cache_config: Any, block_size: int) -> KVGroups:

@@ -22,8 +22,7 @@ launch their copies through `DeviceCopies` and wait for them before returning, b
 reads the result from elsewhere: P's data plane reads the mirror right after `stage_out`, and D reports
 the request in `finished_recving` right after `stage_in`, after which vLLM's forward (on its own stream)
 may read the blocks. On CUDA the copies run on a dedicated stream and are waited for through an event
-recorded after them, so they neither queue behind the model's kernels nor are waited for by them.
-"""
+recorded after them, so they neither queue behind the model's kernels nor are waited for by them."""
 
 from __future__ import annotations
 
@@ -113,13 +112,11 @@ class VllmKVLayout(KVLayout):
     """Regions and block runs of vLLM's per-layer KV cache tensors (CPU tensors, TP=1 or any head split).
 
     `num_blocks` is the scheduler's block count (`KVCacheConfig.num_blocks`); a layer tensor may hold a
-    whole multiple of it when the attention kernel splits manager blocks into smaller kernel blocks.
-    """
+    whole multiple of it when the attention kernel splits manager blocks into smaller kernel blocks."""
 
-    def __init__(
-        self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, staging: bool | None = None,
-        tp_rank: int = 0, tp_size: int = 1, replicated: bool = False, groups: KVGroups | None = None,
-    ) -> None:
+    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
+                 staging: bool | None = None, tp_rank: int = 0, tp_size: int = 1, replicated: bool = False,
+                 groups: KVGroups | None = None) -> None:
         """`staging`: None stages when a tensor is not in host memory; True always; False never (a device
         tensor is then refused). `tp_rank` of `tp_size`: the tensors hold this rank's slice of the
         model's KV heads; block runs are asked for by model-wide head indices. `replicated`: every rank
@@ -203,8 +200,7 @@ class VllmKVLayout(KVLayout):
             raise UnsupportedKVCacheError(f"{name}: negative strides are not supported")
         if cache.shape[0] != self.num_blocks * self._ratio:
             raise UnsupportedKVCacheError(
-                f"{name}: {cache.shape[0]} blocks, expected {self.num_blocks} x {self._ratio} kernel blocks"
-            )
+                f"{name}: {cache.shape[0]} blocks, expected {self.num_blocks} x {self._ratio} kernel blocks")
         isz = cache.element_size()
         order = sorted(range(cache.dim()), key=lambda i: cache.stride(i), reverse=True)
         dense = cache.permute(order)

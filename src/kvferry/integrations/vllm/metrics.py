@@ -4,8 +4,7 @@ vLLM runs the connector's scheduler side in its engine-core process and serves `
 server process; the only road between them is vLLM's KV connector stats: the engine core hands
 `get_kv_connector_stats()` to the frontend with its scheduler stats, and the frontend's Prometheus logger
 passes them to the connector class's `build_prom_metrics(...).observe()`. Counts are deltas since the
-last call, so nothing is counted twice.
-"""
+last call, so nothing is counted twice."""
 
 from __future__ import annotations
 
@@ -53,10 +52,9 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        counter = self._counter_cls(
-            name=METRIC, documentation="KV loads kvferry failed, by cause (docs/design.md)",
-            labelnames=[*labelnames, "cause"],
-        )
+        counter = self._counter_cls(name=METRIC,
+                                    documentation="KV loads kvferry failed, by cause (docs/design.md)",
+                                    labelnames=[*labelnames, "cause"])
         self._by_engine = {
             engine: {cause: counter.labels(*values, cause) for cause in CAUSES}
             for engine, values in per_engine_labelvalues.items()

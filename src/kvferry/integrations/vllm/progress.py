@@ -14,8 +14,7 @@ first waits for the forward's kernels. A request vLLM preempts mid-prefill (its 
 by the next forward) is rewound in `handle_preemptions`, which vLLM calls before that forward: no part
 starts from its old blocks, and the call returns once no write reads them. A write still reading them
 after `PREEMPT_WAIT_S` is cancelled and the transfer ends (D's pull fails with a typed cause and its
-policy decides). The recomputed prefill then pushes only positions not pushed yet, from its new blocks.
-"""
+policy decides). The recomputed prefill then pushes only positions not pushed yet, from its new blocks."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ ends) and what it hears back from the worker (sends ended, loads failed, and why
 vLLM's `Request` and `SchedulerOutput` reach kvferry's `PDConnector` through two small views
 (`RequestLike`, `SchedulerOutputLike`); kv_transfer_params that can never work read as None, logged once.
 With vLLM's hybrid allocator the block ids of every KV cache group become one list of kvferry's virtual
-block ids, the same positions on P and D (groups.py).
-"""
+block ids, the same positions on P and D (groups.py)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ hundreds of MB) only to learn that there is no CUDA. The backend wheels themselv
 has something to decide (torch is loaded, or several backends are installed).
 
 NIXL's Python logger writes to stdout; it is moved to stderr here (stdout belongs to the program:
-`kvferry.harness.peer` speaks JSON lines on it) and kept at WARNING unless NIXL_LOG_LEVEL says.
-"""
+`kvferry.harness.peer` speaks JSON lines on it) and kept at WARNING unless NIXL_LOG_LEVEL says."""
 
 from __future__ import annotations
 
@@ -80,9 +79,8 @@ def new_agent(name: str, loopback: bool) -> Any:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         os.environ.setdefault("UCX_MODULES", "^ib*")
     strict = _api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    agent = _api.nixl_agent(name, _api.nixl_agent_config(
-        enable_prog_thread=True, enable_listen_thread=False, backends=[], sync_mode=strict,
-    ))
+    agent = _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+                                                         backends=[], sync_mode=strict))
     config = _bind.nixlAgentConfig()
     config.useProgThread = True
     config.useListenThread = False

@@ -25,8 +25,7 @@ uses the ttl from arrival); P sends CANCEL when it gives up early (abort).
 
 The engine's `address` is `host:port` of a reserved port (bound, never listening): it names the
 engine for the control plane; the token carries what a sender needs, and the sender refuses a token
-whose address is not the peer it was told to write to.
-"""
+whose address is not the peer it was told to write to."""
 
 from __future__ import annotations
 
@@ -88,10 +87,8 @@ class _Write:
 
 
 class NixlTransferEngine(TransferEngine):
-    def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
-        advertise: str | None = None,
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
+                 advertise: str | None = None) -> None:
         if not nixl_api.available():
             raise TransferError(E.INVALID, f"nixl is not installed ({nixl_api.INSTALL_HINT})")
         # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything binds.
@@ -123,10 +120,6 @@ class NixlTransferEngine(TransferEngine):
     @property
     def address(self) -> str:
         return self._address
-
-    @property
-    def agent_name(self) -> str:
-        return self._name
 
     @property
     def stats(self) -> dict[str, int]:

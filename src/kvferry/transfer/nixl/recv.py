@@ -10,9 +10,8 @@ complete inside the posting call; over UCX's tcp they need the sender's progress
 holds them) may still land bytes: until each has ended (done or failed, as NIXL reports it), the grant
 is *draining* and its memory must not be reused (`draining`, which D's consumer asks before it hands
 the blocks back). A read is never cancelled to end it sooner: NIXL's release of an active read over
-UCX's tcp reports success, and its bytes still land when the sender resumes (measured: all 64 MiB of
-a "cancelled" read landed after SIGCONT; tests/transfer/test_nixl_fence.py).
-"""
+UCX's tcp reports success, and its bytes still land when the sender resumes
+(tests/transfer/test_nixl_fence.py)."""
 
 from __future__ import annotations
 
@@ -77,10 +76,8 @@ class Read:
 
 
 class Receiver:
-    def __init__(
-        self, agent: Any, regions: NixlRegions, peers: Peers, keys: nw.Keys | None,
-        token_info: Callable[[], tuple[str, str, bytes]], count: Callable[[str], None],
-    ) -> None:
+    def __init__(self, agent: Any, regions: NixlRegions, peers: Peers, keys: nw.Keys | None,
+                 token_info: Callable[[], tuple[str, str, bytes]], count: Callable[[str], None]) -> None:
         self._agent, self._regions, self._peers, self._keys = agent, regions, peers, keys
         self._token_info = token_info  # (address, agent name, connection metadata)
         self._count = count
@@ -245,10 +242,8 @@ class Receiver:
             remote = np.stack([ops["src"], lens, ops["dev"].astype(np.uint64)], axis=1)
             self._posting += 1
             try:
-                handle = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local, mems.pop()),
-                    self._agent.get_xfer_descs(remote, req.src_mem), sender,
-                )
+                handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, mems.pop()),
+                                                     self._agent.get_xfer_descs(remote, req.src_mem), sender)
                 state = self._agent.transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL's errors derive from Exception
                 self._count("failed_reads")

@@ -94,8 +94,7 @@ class NixlRegions:
             with self._lock:
                 rows = [[r.addr, r.size, r.dev] for n in sorted(names) if (r := self._regions.get(n)) and r.size]
             md = self._agent.get_partial_agent_metadata(
-                self._agent.get_reg_descs(np.array(rows, np.uint64), mem), True
-            )
+                self._agent.get_reg_descs(np.array(rows, np.uint64), mem), True)
             self._md[key] = md
         return bytes(md)
 

@@ -10,8 +10,7 @@ D's agent name and its *connection-only* metadata (no memory is described), and 
 With a deployment secret every token and notification carries a 16-byte HMAC-SHA256 tag under a key
 derived from it by HKDF for that use alone (token, P → D, D → P; `transfer/secret.py`), so a token or notification made without
 the secret is refused; without one the tag is all zeros and the 128-bit grant id is the capability,
-as the TCP engine's token is.
-"""
+as the TCP engine's token is."""
 
 from __future__ import annotations
 

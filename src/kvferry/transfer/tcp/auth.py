@@ -10,8 +10,7 @@ anywhere else: an attacker that P dials and that relays P's handshake to a real 
 fails (the listener refuses an address that is not its own, and the proofs cover both addresses),
 and every later message is encrypted (its payload) and tagged under this connection's key with its
 sequence number as nonce, every reply tagged the same way (`mac`), so a spliced, replayed, reordered or
-altered frame is refused and a tap reads no KV byte.
-"""
+altered frame is refused and a tap reads no KV byte."""
 
 from __future__ import annotations
 

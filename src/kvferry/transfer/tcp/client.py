@@ -5,8 +5,7 @@ is closed, never returned to the pool, so the next write to that peer starts fro
 A pooled connection is used only while younger (idle) than `Limits.client_idle`, half the server's
 idle timeout; one that turns out closed by the server before any reply came (a broken pipe, or EOF
 before any reply) is replaced once by a fresh connection and the write sent again: writes are
-idempotent, and the server only closes between messages.
-"""
+idempotent, and the server only closes between messages."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ message (at most `wire.AUTH_MSG_BYTES` + the tag) in a buffer of its own, decryp
 one call, and only then, under the grant's lock and only if the grant is still open, copies the
 plaintext to its ops' addresses and counts it. So no unverified byte ever reaches D's memory. A bad tag
 poisons the whole grant (`Grant.poison`: nothing of it counts, further writes are refused, so the
-transfer fails and D recomputes) and closes the connection. Malformed frames close it too.
-"""
+transfer fails and D recomputes) and closes the connection. Malformed frames close it too."""
 
 from __future__ import annotations
 
@@ -167,15 +166,8 @@ class Conn(SockIO):
         self.scatter(grant, verdict, names, ops, stop_at)
         return True
 
-    def serve_sealed(
-        self,
-        grant: Grant | None,
-        verdict: tuple[wire.Code, str] | list[Region],
-        names: list[str],
-        ops: np.ndarray,
-        aad: bytes,
-        stop_at: float,
-    ) -> None:
+    def serve_sealed(self, grant: Grant | None, verdict: tuple[wire.Code, str] | list[Region],
+                     names: list[str], ops: np.ndarray, aad: bytes, stop_at: float) -> None:
         """With a secret: stage the message, decrypt and verify it, and only then copy it into the grant."""
         assert self.tags is not None
         lens = ops["length"].tolist()
@@ -217,9 +209,8 @@ class Conn(SockIO):
         self.ctx.stats.add("accepted_writes")
         self.reply(wire.Status.OK, wire.Code.OK)
 
-    def check(
-        self, grant: Grant | None, names: list[str], ops: np.ndarray
-    ) -> tuple[wire.Code, str] | list[Region]:
+    def check(self, grant: Grant | None, names: list[str],
+              ops: np.ndarray) -> tuple[wire.Code, str] | list[Region]:
         """The destination regions (in table order) when every op is allowed, else why not."""
         if grant is None or not grant.open:
             return wire.Code.UNKNOWN_GRANT, "unknown or closed grant"
@@ -238,14 +229,8 @@ class Conn(SockIO):
                 return wire.Code.OUTSIDE_GRANT, f"op outside the grant on {name!r}"
         return regions
 
-    def scatter(
-        self,
-        grant: Grant,
-        regions: list[Region],
-        names: list[str],
-        ops: np.ndarray,
-        stop_at: float,
-    ) -> None:
+    def scatter(self, grant: Grant, regions: list[Region], names: list[str], ops: np.ndarray,
+                stop_at: float) -> None:
         """Without a secret: payload bytes land as they arrive, and count as they do."""
         ridx, offs, lens = ops["region"].tolist(), ops["offset"].tolist(), ops["length"].tolist()
         ends = list(itertools.accumulate(lens))  # payload position where each op ends

@@ -10,8 +10,7 @@ into registered memory (the same kind of table), and bytes land only inside an o
 frame sizes). With a shared secret (argument or env KVFERRY_SECRET) both ends prove knowledge of it
 in a handshake bound to both nonces and both addresses, and every message and reply carries a tag
 under a per-connection key (`tcp_auth`, `mac`): a relayed handshake or an altered byte is refused, and
-an authenticated message counts as written only once its tag verified.
-"""
+an authenticated message counts as written only once its tag verified."""
 
 from __future__ import annotations
 
@@ -31,15 +30,8 @@ from kvferry.transfer.tcp.server import TcpServer
 
 
 class TcpTransferEngine(TransferEngine):
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        secret: str | bytes | None = None,
-        *,
-        advertise: str | None = None,
-        limits: Limits | None = None,
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
+                 advertise: str | None = None, limits: Limits | None = None) -> None:
         """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind); port 0
         there means the bound port."""
         # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything listens.

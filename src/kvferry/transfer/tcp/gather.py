@@ -5,8 +5,7 @@ decrypted (the kernel does it without one). A Python slice per op cost ~0.5 us, 
 copies; when every op of a message has one length L and one region (paged KV blocks), numpy copies
 them all in one fancy-indexing call over an (offsets, L) window view of the region. Measured on the dev
 box, random 2 KiB blocks of a 64 MiB region: 0.16 s/GiB scattered this way, 0.5-0.9 s/GiB slice by
-slice. Ops that differ in length or region go slice by slice.
-"""
+slice. Ops that differ in length or region go slice by slice."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ With a secret the client refuses, before it proves anything, a server that does 
 secret or that names another address than the one dialed (a relay); the proof it then sends covers
 both addresses, and the server refuses a dialed address that is not its own (MISDIRECTED) or a wrong
 proof, and answers with its own proof of the same transcript (`tcp_auth`). The server's half runs
-under one deadline however the bytes trickle in.
-"""
+under one deadline however the bytes trickle in."""
 
 from __future__ import annotations
 

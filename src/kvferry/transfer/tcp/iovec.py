@@ -6,8 +6,7 @@ a numpy array of (address, length) rows handed to libc through ctypes (the GIL i
 the call). Linux only (the `msghdr` layout below is glibc's and musl's on 64-bit); elsewhere
 `AVAILABLE` is False and callers keep the memoryview path.
 
-Callers pass only addresses inside memory they keep alive and checked against its region.
-"""
+Callers pass only addresses inside memory they keep alive and checked against its region."""
 
 from __future__ import annotations
 
@@ -83,9 +82,8 @@ class Io:
         self._recv = _LIB.recvmsg
         self._send = _LIB.sendmsg
 
-    def _call(
-        self, fn: Callable[[int, Any, int], int], iov: np.ndarray, i: int, j: int, flags: int
-    ) -> int | None:
+    def _call(self, fn: Callable[[int, Any, int], int], iov: np.ndarray, i: int, j: int,
+              flags: int) -> int | None:
         hdr = self._hdr
         hdr.msg_iov = iov.ctypes.data + 16 * i
         hdr.msg_iovlen = min(j, len(iov)) - i

@@ -27,8 +27,7 @@ default); a message carries at most 256 MiB (4 MiB with a secret), which needs w
 even on a 10 MB/s link, so a minute bounds how long a stalled or hostile message holds a thread. On
 the sending side `CLIENT_IDLE_S` (half of `IDLE_TIMEOUT_S`) retires pooled connections before any
 server would, and a pooled connection found closed before any reply is retried once on a fresh one
-(`stale_retries`).
-"""
+(`stale_retries`)."""
 
 from __future__ import annotations
 

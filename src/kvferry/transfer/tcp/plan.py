@@ -3,8 +3,7 @@
 Vectorised with numpy: this runs once per write over thousands of small ops (the 2 KiB block case),
 and a per-op Python loop cost more than the bytes themselves. A message holds at most `wire.MSG_OPS`
 ops and `wire.MSG_BYTES` payload bytes (`wire.AUTH_MSG_BYTES` with a secret: each side encrypts or
-decrypts a whole message in one call, into buffers it reuses, and the receiver refuses larger ones).
-"""
+decrypts a whole message in one call, into buffers it reuses, and the receiver refuses larger ones)."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ def _index(names: list[str]) -> tuple[list[str], np.ndarray]:
     return uniq, np.array([pos[n] for n in names], np.int64)
 
 
-def _cut(
-    so: np.ndarray, do: np.ndarray, ln: np.ndarray, sid: np.ndarray, did: np.ndarray, cap: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _cut(so: np.ndarray, do: np.ndarray, ln: np.ndarray, sid: np.ndarray, did: np.ndarray,
+         cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ops longer than `cap` cut into pieces of at most `cap` bytes, in order."""
     reps = (ln + cap - 1) // cap
     idx = np.repeat(np.arange(len(ln)), reps)
@@ -68,9 +66,8 @@ def _bounds(ln: np.ndarray, max_ops: int, max_bytes: int) -> list[tuple[int, int
     return out
 
 
-def plan(
-    regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: float, auth: bool = False
-) -> list[Message]:
+def plan(regions: RegionTable, token: str, ops: Sequence[WriteOp], deadline: float,
+         auth: bool = False) -> list[Message]:
     try:
         raw_token = wire.token_bytes(token)
     except ValueError as e:

@@ -5,8 +5,7 @@ handshake succeeds (`Limits.max_pending` in total, `max_pending_per_bucket` from
 new one evicting the oldest), then *proven* (`max_connections`, which no stranger reaches). The move
 happens before the server answers the handshake OK, so a peer told OK always holds its slot. Each
 connection gets a thread running `conn.Conn.serve`; the server hands it a frozen `ConnContext` (not
-itself, with `admit` as the one way back) and forgets the conn when its `serve` returns.
-"""
+itself, with `admit` as the one way back) and forgets the conn when its `serve` returns."""
 
 from __future__ import annotations
 
@@ -24,16 +23,8 @@ from kvferry.transfer.tcp.limits import Limits, bucket
 
 
 class TcpServer:
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        secret: bytes | None,
-        regions: RegionTable,
-        grants: GrantTable,
-        limits: Limits | None = None,
-        advertise: str | None = None,
-    ) -> None:
+    def __init__(self, host: str, port: int, secret: bytes | None, regions: RegionTable, grants: GrantTable,
+                 limits: Limits | None = None, advertise: str | None = None) -> None:
         self.secret = secret
         self.regions = regions
         self.grants = grants

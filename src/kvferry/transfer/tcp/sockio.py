@@ -1,8 +1,7 @@
 """Receive-side socket primitives: every wait is a `poll` with a deadline, every read MSG_DONTWAIT.
 
 Nothing is allocated for a frame before its bytes arrive: `recv_grow` grows with what came, and
-`drain` reads into one reusable scratch buffer.
-"""
+`drain` reads into one reusable scratch buffer."""
 
 from __future__ import annotations
 

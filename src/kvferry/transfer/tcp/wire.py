@@ -6,8 +6,7 @@ Write message (client → server): MSG header, meta (region-name table + op tabl
 (the ops' bytes back to back, in op order).  The server answers every message with one REPLY: OK once
 every byte landed, or REJECTED/PROTOCOL with a reason (possibly before the payload was read).
 With a shared secret a message's payload is encrypted (AES-256-GCM, header and meta as associated
-data) and every message and every reply ends with a TAG_BYTES tag (see `auth`, `mac`).
-"""
+data) and every message and every reply ends with a TAG_BYTES tag (see `auth`, `mac`)."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ MAX_OPS = MSG_OPS  # the receiver refuses more: nobody legitimate sends them
 MSG_BYTES = 256 << 20  # the sender's split size (payload bytes per message), without a secret
 # With a secret the receiver stages a whole message (ciphertext + tag), decrypts and verifies it in one
 # call and only then scatters it into the grant: a message is at most this much payload (the receiver
-# refuses more). Each side then holds two such buffers per connection. Measured on the dev box (CPU
-# s/GiB, sender + receiver, 16 KiB blocks): 0.9-1.1 at 1, 2 and 4 MiB alike with replies batched (conn's
-# `reply`); before that, one reply a message: 2.0 at 256 KiB, 1.4 at 512 KiB, 1.2-1.6 at 1 MiB.
+# refuses more). Each side then holds two such buffers per connection; with replies batched (conn's
+# `reply`) the CPU cost per GiB no longer falls past 1 MiB, so a bigger buffer only costs memory.
 AUTH_MSG_BYTES = 1 << 20
 MAX_REGIONS = 1024
 MAX_NAME = 255  # bytes of one region name
@@ -104,9 +102,8 @@ def token_bytes(token: str) -> bytes:
     return raw
 
 
-def encode_meta(
-    names: list[str], regions: npt.ArrayLike, offsets: npt.ArrayLike, lengths: npt.ArrayLike
-) -> bytes:
+def encode_meta(names: list[str], regions: npt.ArrayLike, offsets: npt.ArrayLike,
+                lengths: npt.ArrayLike) -> bytes:
     parts = [NAME_LEN.pack(len(names))]
     for name in names:
         raw = name.encode()
