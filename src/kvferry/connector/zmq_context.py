@@ -6,11 +6,11 @@ seconds for a CPU looks exactly like a stopped one. So the threads are named apa
 libzmq threads (`75/ZMQbg/IO/<n>`: a gauge or `top -H` tells them from vLLM's) and scheduled ahead of
 the CPU-bound ones: SCHED_RR at the lowest real-time priority. A higher nice value is not enough: the
 kernel shares a CPU between sessions (autogroups) and cgroups first, so a thread whose own group has
-used its share waits for the group however high its nice (measured: waits of 1.5 s at nice -10 beside
-six CPU-bound processes). The threads sleep but for control messages (KV bytes move on the data plane's
-own threads), so the priority takes next to nothing from the model, and the kernel keeps 5 % of every
-CPU for other threads whatever real-time threads do (`sched_rt_runtime_us`); what a stranger can make
-them do is bounded before any of it (`prefill/guard.py`). Where real-time scheduling is refused (no
+used its share waits for the group however high its nice (docs/vllm-results.md, *Six CPU hogs*). The
+threads sleep but for control messages (KV bytes move on the data plane's own threads), so the priority
+takes next to nothing from the model, and the kernel keeps 5 % of every CPU for other threads whatever
+real-time threads do (`sched_rt_runtime_us`); what a stranger can make them do is bounded before any of
+it (`prefill/guard.py`). Where real-time scheduling is refused (no
 CAP_SYS_NICE, or a cgroup without real-time time) the threads get nice `IO_NICE` instead, or keep the
 process's priority, and one warning says what that costs.
 """
