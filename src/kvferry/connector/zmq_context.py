@@ -30,52 +30,50 @@ log = logging.getLogger(__name__)
 ZMQ_THREAD_PREFIX = 75
 RT_PRIORITY = 1  # the lowest SCHED_RR priority: ahead of every normal thread, behind any real-time one
 IO_NICE = -10  # about 9x a default thread's share of a contended CPU (CFS weights 9548 : 1024)
-_NAMED_WITHIN_S = 1.0  # libzmq names a thread first thing in it
+_NAMED_WITHIN_S = 1.0  # how long a new I/O thread may take to name itself
 _warned = False
 
 C = TypeVar("C", bound=zmq.Context[Any])
 
 
 def liveness_context(kind: type[C]) -> C:
-    """A context of `kind` whose I/O thread is named and lifted now (libzmq starts it with the first
-    socket, so one is opened and closed here)."""
+    """A context of `kind` whose I/O threads are named and lifted now (libzmq starts them with the first
+    socket, so one is opened and closed here, and each names itself first thing)."""
     ctx = kind()
     ctx.set(zmq.THREAD_NAME_PREFIX, ZMQ_THREAD_PREFIX)
     before = _threads()
     zmq.Socket(ctx, zmq.PAIR).close(0)
-    lift_io_threads(_threads() - before)
+    lifted: set[int] = set()
+    deadline = time.monotonic() + _NAMED_WITHIN_S
+    while len(lifted) < ctx.get(zmq.IO_THREADS) and time.monotonic() < deadline:
+        for tid in _threads() - before - lifted:
+            if _name(tid).startswith(f"{ZMQ_THREAD_PREFIX}/ZMQbg/IO/"):
+                _lift(tid)
+                lifted.add(tid)
+        time.sleep(0.001)
     return ctx
 
 
-def lift_io_threads(tids: set[int]) -> dict[int, str]:
-    """Schedule kvferry's libzmq I/O threads among `tids` ahead of CPU-bound threads; returns how each
-    was lifted (`rr`, `nice` or `none`)."""
-    return {tid: _lift(tid) for tid in tids if _is_io_thread(tid)}
-
-
-def _lift(tid: int) -> str:
+def _lift(tid: int) -> None:
+    """SCHED_RR for thread `tid`; where that is refused nice `IO_NICE`, else nothing (one warning)."""
     global _warned
     try:  # a thread id: that thread alone
         os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(RT_PRIORITY))
-        return "rr"
+        return
     except PermissionError as exc:
         refused = exc
     except OSError:  # the thread is gone (its context closed meanwhile)
-        return "none"
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, tid, IO_NICE)
-        lifted = "nice"
-    except PermissionError:
-        lifted = "none"
+        instead = f"nice {IO_NICE} instead"
     except OSError:
-        return "none"
+        instead = "they keep the process's priority"
     if not _warned:
         _warned = True
         log.warning("kvferry's libzmq I/O threads are not scheduled real-time (%s; it needs CAP_SYS_NICE and, "
                     "in a cgroup with real-time group scheduling, real-time time): %s; on a node with more "
-                    "runnable threads than CPUs a live peer may be called dead", refused,
-                    f"nice {IO_NICE} instead" if lifted == "nice" else "they keep the process's priority")
-    return lifted
+                    "runnable threads than CPUs a live peer may be called dead", refused, instead)
 
 
 def _threads() -> set[int]:
@@ -84,16 +82,7 @@ def _threads() -> set[int]:
     return set()  # not Linux: nothing to lift
 
 
-def _is_io_thread(tid: int) -> bool:
-    deadline = time.monotonic() + _NAMED_WITHIN_S
-    while True:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read()
-        except OSError:
-            return False
-        if name.startswith(f"{ZMQ_THREAD_PREFIX}/"):
-            return "/IO/" in name
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
+def _name(tid: int) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read()
+    return ""

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from kvferry.bench.vllm.fault_cells import POLICIES, SHORT_LEASE_S
-from kvferry.bench.vllm.servers import COMMON, NIXL_CONFIG, ServerGroup, metric_sum, nixl_env
+from kvferry.bench.vllm.servers import COMMON, NIXL_CONFIG, ServerGroup, group_pids, metric_sum, nixl_env
 from kvferry.bench.vllm.systems import TP2_ARGS, TP2_ENV
 from kvferry.harness.processes import free_port
 
@@ -113,24 +113,20 @@ class Pair:
 
 def worker_pid(server: Any, rank: int) -> int:
     """The pid of a TP server's worker `rank` (vLLM titles it `VLLM::Worker_TP<rank>`) in its process group."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(entry.name)) == server.pid and \
-                        (entry / "cmdline").read_bytes().split(b"\0")[0] == f"VLLM::Worker_TP{rank}".encode():
-                    return int(entry.name)
+    for pid in group_pids(server.pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == f"VLLM::Worker_TP{rank}".encode():
+                return pid
     raise RuntimeError(f"{server.name} has no TP worker {rank}")
 
 
 def group_cpu_seconds(pgid: int) -> float:
     """CPU time (user + system) of every live process in a process group, from /proc."""
     total = 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ... utime(11) stime(12)
-                    total += int(fields[11]) + int(fields[12])
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # fields after the name: ... utime(11) stime(12)
     return total / os.sysconf("SC_CLK_TCK")
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvferry.bench.vllm.servers import group_pids
 from kvferry.connector.zmq_context import ZMQ_THREAD_PREFIX
 
 SAMPLE_S = 0.25
@@ -30,16 +31,12 @@ def _io_threads(pgid: int) -> dict[str, tuple[str, Path]]:
     whose they are (kvferry's contexts name theirs with `ZMQ_THREAD_PREFIX`) and where to read them."""
     found: dict[str, tuple[str, Path]] = {}
     ours = f"{ZMQ_THREAD_PREFIX}/"
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
-            for task in (proc / "task").iterdir():
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
                 name = (task / "comm").read_text()
                 if "ZMQbg/IO" in name:
-                    found[f"{proc.name}/{task.name}"] = ("kvferry" if name.startswith(ours) else "other", task)
+                    found[f"{pid}/{task.name}"] = ("kvferry" if name.startswith(ours) else "other", task)
     return found
 
 

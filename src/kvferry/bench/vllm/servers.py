@@ -56,6 +56,17 @@ def _series(name: str, labels: dict[str, str]) -> str:
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in escaped.items()) + "}"
 
 
+def group_pids(pgid: int) -> list[int]:
+    """Every live process in process group `pgid`, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:  # pgrp
+                    pids.append(int(entry))
+    return sorted(pids)
+
+
 def metric_sum(metrics: dict[str, float], name: str) -> float:
     """Sum of a metric's series (any labels)."""
     return sum(v for k, v in metrics.items() if k.split("{", 1)[0] == name)

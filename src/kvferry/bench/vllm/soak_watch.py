@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from kvferry.bench.vllm.client import complete
-from kvferry.bench.vllm.servers import ServerGroup
+from kvferry.bench.vllm.servers import ServerGroup, group_pids
 
 STALL_S = 60.0
 CHECK_EVERY_S = 5.0
@@ -65,18 +65,6 @@ class Stall:
     latency_s: float | None = None
 
 
-def _group_pids(leader: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[2]) == leader:  # field 5: process group
-                pids.append(int(entry))
-    return sorted(pids)
-
-
 def _read(path: str) -> str:
     try:
         return Path(path).read_text(errors="replace").strip()
@@ -87,7 +75,7 @@ def _read(path: str) -> str:
 def threads_of(leader: int) -> list[str]:
     """Each process of the group, and its threads by (name, state, kernel wait channel)."""
     lines = []
-    for pid in _group_pids(leader):
+    for pid in group_pids(leader):
         cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ")[:120]
         kinds: Counter[str] = Counter()
         with contextlib.suppress(OSError):
@@ -103,7 +91,7 @@ def threads_of(leader: int) -> list[str]:
 
 def _python_pids(leader: int) -> list[int]:
     pids = []
-    for pid in _group_pids(leader):
+    for pid in group_pids(leader):
         with contextlib.suppress(OSError):
             if "python" in os.path.basename(os.readlink(f"/proc/{pid}/exe")):
                 pids.append(pid)
