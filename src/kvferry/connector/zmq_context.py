@@ -36,11 +36,15 @@ _warned = False
 C = TypeVar("C", bound=zmq.Context[Any])
 
 
-def liveness_context(kind: type[C]) -> C:
-    """A context of `kind` whose I/O threads are named and lifted now (libzmq starts them with the first
-    socket, so one is opened and closed here, and each names itself first thing)."""
+def liveness_context(kind: type[C], lift: bool = True) -> C:
+    """A context of `kind` whose I/O threads are named and, with `lift`, lifted now (libzmq starts them
+    with the first socket, so one is opened and closed here, and each names itself first thing). P's
+    contexts are not lifted: its ROUTER accepts strangers, and at SCHED_RR its I/O thread accepts a burst
+    of their connections faster than the rank loop evicts the unproven ones (`prefill/guard.py`)."""
     ctx = kind()
     ctx.set(zmq.THREAD_NAME_PREFIX, ZMQ_THREAD_PREFIX)
+    if not lift:
+        return ctx
     before = _threads()
     zmq.Socket(ctx, zmq.PAIR).close(0)
     lifted: set[int] = set()

@@ -68,7 +68,7 @@ class Producer:
         self._stop = threading.Event()
         self._in_step = threading.Event()
         state_fd_budget(self.tp_size)
-        self._ctx = liveness_context(zmq.Context)
+        self._ctx = liveness_context(zmq.Context, lift=False)
         self.senders = PeerSenders("kv-send")
         # The loops get exactly what they use, never the producer itself.
         self._shared = RankShared(self._ctx, self._stop, self._in_step, secret, layout, self.engines, self.table,
