@@ -1,5 +1,6 @@
 """kvferry's libzmq contexts name their I/O threads and schedule them real-time (SCHED_RR), nothing else;
-without the right to (no CAP_SYS_NICE) a context still works and one warning says so."""
+without the right to (no CAP_SYS_NICE) a context still works and one warning says so; P lowers its
+threads while strangers press and lifts them again once they have been quiet."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
 import zmq.asyncio
 
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.prefill.guard import RealTimeWhileCalm
 from kvferry.connector.zmq_context import RT_PRIORITY, ZMQ_THREAD_PREFIX, liveness_context
 
 LINUX = os.path.isdir("/proc/self/task")
@@ -30,7 +34,7 @@ def _threads() -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("kind", [zmq.Context, zmq.asyncio.Context])
 def test_the_io_thread_is_named_and_lifted_and_nothing_else(kind: type[zmq.Context]) -> None:  # type: ignore[type-arg]
     before = _threads()
-    ctx = liveness_context(kind)
+    ctx, _ = liveness_context(kind)
     try:
         new = {k: v for k, v in _threads().items() if k not in before}
         io = {k: v for k, v in new.items() if k.split()[1].startswith(f"{ZMQ_THREAD_PREFIX}/ZMQbg/IO/")}
@@ -49,7 +53,7 @@ CHILD = """
 import logging, os, zmq
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 from kvferry.connector.zmq_context import liveness_context
-a, b = liveness_context(zmq.Context), liveness_context(zmq.Context)
+(a, _), (b, _) = liveness_context(zmq.Context), liveness_context(zmq.Context)
 s = a.socket(zmq.PAIR); s.bind("inproc://x"); r = a.socket(zmq.PAIR); r.connect("inproc://x")
 s.send(b"ok"); print(r.recv().decode())
 """
@@ -64,3 +68,33 @@ def test_without_cap_sys_nice_it_works_and_warns_once() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
     assert out.stderr.count("CAP_SYS_NICE") == 1, out.stderr
+
+
+def _policy(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+@pytest.mark.skipif(not LINUX or os.geteuid() != 0, reason="real-time scheduling needs CAP_SYS_NICE (root)")
+def test_strangers_lower_ps_io_threads_until_they_have_been_quiet() -> None:
+    ctx, threads = liveness_context(zmq.Context, lift=False)
+    metrics = Metrics()
+    try:
+        realtime = RealTimeWhileCalm(threads, metrics, calm_s=0.3)
+        assert threads.tids and {_policy(t) for t in threads.tids} == {os.SCHED_RR}
+        assert metrics.control_realtime._value.get() == 1
+        realtime.pressed("a test")
+        assert {_policy(t) for t in threads.tids} == {os.SCHED_OTHER}
+        assert metrics.control_realtime._value.get() == 0
+        deadline = time.monotonic() + 0.25
+        while time.monotonic() < deadline:  # still pressed: stays lowered
+            realtime.pressed("a test")
+            realtime.tick()
+            assert {_policy(t) for t in threads.tids} == {os.SCHED_OTHER}
+        deadline = time.monotonic() + 10
+        while {_policy(t) for t in threads.tids} != {os.SCHED_RR}:
+            assert time.monotonic() < deadline, "never lifted again after the strangers went quiet"
+            realtime.tick()
+            time.sleep(0.01)
+        assert metrics.control_realtime._value.get() == 1
+    finally:
+        ctx.destroy(linger=0)

@@ -62,6 +62,10 @@ class Metrics:
             "kvferry_control_auth_failures",
             "Control messages dropped: not sealed with this deployment's secret, replayed or malformed",
             ["side"], registry=r)
+        self.control_realtime = Gauge(
+            "kvferry_control_realtime",
+            "1 while P's libzmq I/O threads run real-time (0: refused, or lowered while strangers press)",
+            registry=r)
         self.control_dropped = Counter(
             "kvferry_control_dropped",
             "What P's control port refused from strangers, by reason (handshake, auth, receiver, version, frames, "

@@ -9,8 +9,9 @@ kernel shares a CPU between sessions (autogroups) and cgroups first, so a thread
 used its share waits for the group however high its nice (docs/vllm-results.md, *Six CPU hogs*). The
 threads sleep but for control messages (KV bytes move on the data plane's own threads), so the priority
 takes next to nothing from the model, and the kernel keeps 5 % of every CPU for other threads whatever
-real-time threads do (`sched_rt_runtime_us`); what a stranger can make them do is bounded before any of
-it (`prefill/guard.py`). Where real-time scheduling is refused (no
+real-time threads do (`sched_rt_runtime_us`). P's threads also accept strangers' connections, so P
+lowers them to normal priority while strangers press on its port (`prefill/guard.py`,
+`RealTimeWhileCalm`). Where real-time scheduling is refused (no
 CAP_SYS_NICE, or a cgroup without real-time time) the threads get nice `IO_NICE` instead, or keep the
 process's priority, and one warning says what that costs.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from typing import Any, TypeVar
 
@@ -36,38 +38,60 @@ _warned = False
 C = TypeVar("C", bound=zmq.Context[Any])
 
 
-def liveness_context(kind: type[C], lift: bool = True) -> C:
+class IoThreads:
+    """One context's libzmq I/O threads: `lift` schedules them real-time, `lower` hands them back to the
+    process's own policy and nice value (lowering needs no privilege; lifting again does)."""
+
+    def __init__(self, tids: list[int]) -> None:
+        self.tids = tids
+        self.lifted = False  # raised in some way: real-time, or nice `IO_NICE` where that is refused
+        self.realtime = False  # every one of them SCHED_RR
+        self._lock = threading.Lock()
+
+    def lift(self) -> None:
+        with self._lock:
+            self.realtime = all([_lift(tid) for tid in self.tids]) and bool(self.tids)
+            self.lifted = True
+
+    def lower(self) -> None:
+        with self._lock:
+            nice = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's: the process's own
+            for tid in self.tids:
+                with contextlib.suppress(OSError):  # gone with its context
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+            self.lifted = self.realtime = False
+
+
+def liveness_context(kind: type[C], lift: bool = True) -> tuple[C, IoThreads]:
     """A context of `kind` whose I/O threads are named and, with `lift`, lifted now (libzmq starts them
-    with the first socket, so one is opened and closed here, and each names itself first thing). P's
-    contexts are not lifted: its ROUTER accepts strangers, and at SCHED_RR its I/O thread accepts a burst
-    of their connections faster than the rank loop evicts the unproven ones (`prefill/guard.py`)."""
+    with the first socket, so one is opened and closed here, and each names itself first thing)."""
     ctx = kind()
     ctx.set(zmq.THREAD_NAME_PREFIX, ZMQ_THREAD_PREFIX)
-    if not lift:
-        return ctx
     before = _threads()
     zmq.Socket(ctx, zmq.PAIR).close(0)
-    lifted: set[int] = set()
+    found: list[int] = []
     deadline = time.monotonic() + _NAMED_WITHIN_S
-    while len(lifted) < ctx.get(zmq.IO_THREADS) and time.monotonic() < deadline:
-        for tid in _threads() - before - lifted:
-            if _name(tid).startswith(f"{ZMQ_THREAD_PREFIX}/ZMQbg/IO/"):
-                _lift(tid)
-                lifted.add(tid)
+    while len(found) < ctx.get(zmq.IO_THREADS) and time.monotonic() < deadline:
+        found += [tid for tid in _threads() - before - set(found)
+                  if _name(tid).startswith(f"{ZMQ_THREAD_PREFIX}/ZMQbg/IO/")]
         time.sleep(0.001)
-    return ctx
+    threads = IoThreads(found)
+    if lift:
+        threads.lift()
+    return ctx, threads
 
 
-def _lift(tid: int) -> None:
-    """SCHED_RR for thread `tid`; where that is refused nice `IO_NICE`, else nothing (one warning)."""
+def _lift(tid: int) -> bool:
+    """SCHED_RR for thread `tid` (True); where that is refused nice `IO_NICE`, else nothing (one warning)."""
     global _warned
     try:  # a thread id: that thread alone
         os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(RT_PRIORITY))
-        return
+        return True
     except PermissionError as exc:
         refused = exc
     except OSError:  # the thread is gone (its context closed meanwhile)
-        return
+        return False
     try:
         os.setpriority(os.PRIO_PROCESS, tid, IO_NICE)
         instead = f"nice {IO_NICE} instead"
@@ -78,6 +102,7 @@ def _lift(tid: int) -> None:
         log.warning("kvferry's libzmq I/O threads are not scheduled real-time (%s; it needs CAP_SYS_NICE and, "
                     "in a cgroup with real-time group scheduling, real-time time): %s; on a node with more "
                     "runnable threads than CPUs a live peer may be called dead", refused, instead)
+    return False
 
 
 def _threads() -> set[int]:

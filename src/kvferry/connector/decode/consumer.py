@@ -82,7 +82,7 @@ class Consumer:
         self._pulls: dict[str, PullMeta] = {}  # loop thread only
         self._dealers = Dealers(self._new_dealer)
         self._landed = Landed(self.outbox, layout, self.engines, config.checksums, self._dealers)
-        self._ctx = liveness_context(zmq.asyncio.Context)
+        self._ctx, _ = liveness_context(zmq.asyncio.Context)
         # Gaps between our own heartbeat ticks. When this loop lags, P hears from us late: we ask for a
         # lease that covers it (floor: LEASE_HEARTBEATS intervals; P caps it at its abort timeout). And
         # the box is loaded: a P that shares it gets as much slack before we call it dead.

@@ -11,6 +11,9 @@
   message came through it yet: with the secret, only a peer past CurveZMQ's handshake sends one) beyond
   `UNPROVEN_MAX`; proven peers are never evicted.
 - **How big.** `MAX_FRAME_BYTES` (1 MiB + the envelope) per frame, `RCVHWM` queued messages per peer.
+- **What it takes from liveness.** P's libzmq I/O threads run real-time (`zmq_context`), but only while
+  no stranger presses (`RealTimeWhileCalm`): a real-time thread would accept a flood's connections
+  faster than the rank loops, at normal priority, evict them.
 - **How loud.** `DropLog`: one warning per reason per `LOG_EVERY_S`, every drop counted in
   `kvferry_control_dropped_total{reason}`."""
 
@@ -21,6 +24,7 @@ import logging
 import os
 import resource
 import socket
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -31,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvferry.connector.auth import curve_server_keys
 from kvferry.connector.messages import MAX_FRAME_BYTES
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.zmq_context import IoThreads
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,8 @@ HANDSHAKE_S = 2.0  # a connection still in ZMTP's handshake after this is closed
 ZMTP_PING_S, ZMTP_TIMEOUT_S = 1.0, 3.0  # libzmq pings each peer; one silent this long is dropped
 RCVHWM = 256  # messages queued per peer before libzmq stops reading its TCP connection
 LOG_EVERY_S = 10.0
+PRESS_UNPROVEN = 16  # more unproven connections than D ranks open at once: strangers press
+CALM_S = 5.0  # P's I/O threads are real-time again this long after the last stranger pressed
 EVENTS_PER_TURN = 64  # monitor events one rank-loop turn applies (16-60 µs each on a loaded 2-core box)
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -88,13 +95,55 @@ class DropLog:
                         self.rank, reason, n, LOG_EVERY_S, f"; latest: {detail}" if detail else "")
 
 
+class RealTimeWhileCalm:
+    """P's libzmq I/O threads, real-time while no stranger presses on the control port. At SCHED_RR an
+    I/O thread accepts a flood's connections faster than the rank loops, at normal priority, evict the
+    unproven ones (a burst of 1,000 idle ones left 676 descriptors open), and works every refused
+    handshake ahead of everything else on its CPU. So the first sign of strangers (an eviction, a refused
+    handshake, more than `PRESS_UNPROVEN` connections still unproven) lowers the threads to normal
+    priority, where accepting and evicting share the CPU as any threads do, and `calm_s` without one lifts
+    them again. While strangers flood, a live P on an oversubscribed node may again be called dead; a
+    stranger never gets a real-time thread's time beyond the burst before the first sign."""
+
+    def __init__(self, threads: IoThreads, metrics: Metrics, calm_s: float = CALM_S) -> None:
+        self._threads = threads
+        self._gauge = metrics.control_realtime
+        self._calm_s = calm_s
+        self._pressed_at: float | None = None
+        self._lock = threading.Lock()
+        threads.lift()
+        self._gauge.set(int(threads.realtime))
+
+    def pressed(self, why: str) -> None:
+        with self._lock:
+            if self._pressed_at is None and self._threads.lifted:
+                self._threads.lower()
+                self._gauge.set(0)
+                log.warning("strangers on P's control port (%s): its libzmq I/O threads run at normal priority "
+                            "until %.0fs pass without one", why, self._calm_s)
+            self._pressed_at = time.monotonic()
+
+    def tick(self) -> None:
+        """Each rank-loop turn: lift the threads again once the strangers have been quiet `calm_s`."""
+        if self._pressed_at is None or time.monotonic() - self._pressed_at < self._calm_s:
+            return
+        with self._lock:
+            if self._pressed_at is not None and time.monotonic() - self._pressed_at >= self._calm_s:
+                self._pressed_at = None
+                self._threads.lift()
+                self._gauge.set(int(self._threads.realtime))
+                log.info("P's control port is calm again: its libzmq I/O threads are real-time")
+
+
 class Connections:
     """P's accepted control connections by fd; the oldest unproven one goes beyond `cap`."""
 
-    def __init__(self, sock: zmq.Socket[Any], port: int, drops: DropLog, cap: int = UNPROVEN_MAX) -> None:
+    def __init__(self, sock: zmq.Socket[Any], port: int, drops: DropLog, realtime: RealTimeWhileCalm,
+                 cap: int = UNPROVEN_MAX) -> None:
         self.port = port
         self.cap = cap
         self.drops = drops
+        self.realtime = realtime
         self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(_EVENTS)
         self._sock = sock
         self._unproven: OrderedDict[int, float] = OrderedDict()  # fd -> accepted at, oldest first
@@ -122,6 +171,9 @@ class Connections:
             elif kind in _FAILED:
                 self.drops.metrics.control_auth_failures.labels(side="prefill").inc()  # no secret, no entry
                 self.drops.drop("handshake", f"libzmq event {kind}, errno {value}")
+                self.realtime.pressed("a refused handshake")
+        if len(self._unproven) > PRESS_UNPROVEN:
+            self.realtime.pressed(f"{len(self._unproven)} connections unproven")
         while len(self._unproven) > self.cap:
             fd, _ = self._unproven.popitem(last=False)
             self.evict(fd, "connection cap")

@@ -23,7 +23,7 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, d_ranks_for
 from kvferry.connector.messages import FirstToken
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.prefill.guard import state_fd_budget
+from kvferry.connector.prefill.guard import RealTimeWhileCalm, state_fd_budget
 from kvferry.connector.prefill.rank_loop import RankLoop
 from kvferry.connector.prefill.senders import PeerSenders
 from kvferry.connector.prefill.transfers import TransferTable
@@ -68,11 +68,12 @@ class Producer:
         self._stop = threading.Event()
         self._in_step = threading.Event()
         state_fd_budget(self.tp_size)
-        self._ctx = liveness_context(zmq.Context, lift=False)
+        self._ctx, io_threads = liveness_context(zmq.Context, lift=False)
         self.senders = PeerSenders("kv-send")
         # The loops get exactly what they use, never the producer itself.
         self._shared = RankShared(self._ctx, self._stop, self._in_step, secret, layout, self.engines, self.table,
-                                  self.senders, faults, metrics, abort_timeout_s, self.tp_size)
+                                  self.senders, faults, metrics, abort_timeout_s, self.tp_size,
+                                   RealTimeWhileCalm(io_threads, metrics))
         self._ranks = [RankLoop(self._shared, rank, host, control_port and control_port + rank, advertise_host or host)
                        for rank in self.engines]
         self.control_addrs = [r.address for r in self._ranks]  # advertised

@@ -82,7 +82,7 @@ class RankLoop(threading.Thread):
         self.bound = f"tcp://{join_addr(host, port)}"
         self.address = f"tcp://{join_addr(advertise_host, port)}"  # what the bootstrap server hands to D
         self.drops = DropLog(shared.metrics, rank)
-        self.conns = Connections(self.sock, port, self.drops)
+        self.conns = Connections(self.sock, port, self.drops, shared.realtime)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -137,6 +137,7 @@ class RankLoop(threading.Thread):
                     pass
         if self.conns.monitor in events:
             self.conns.on_events()
+        self.shared.realtime.tick()
         self._flush()
         if self.sock in events:
             self._drain_socket()

@@ -18,6 +18,7 @@ from kvferry.connector.faults import FaultSpec
 from kvferry.connector.layout import KVLayout, overlap, write_ops
 from kvferry.connector.messages import FirstToken, HeartbeatAck, PullRequest, PullResponse, Status
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.prefill.guard import RealTimeWhileCalm
 from kvferry.connector.prefill.senders import PeerSenders
 from kvferry.connector.prefill.transfers import TransferTable, Write
 from kvferry.transfer.base import TransferEngine, TransferError, TransferErrorCause, WriteOp
@@ -46,6 +47,7 @@ class RankShared:
     metrics: Metrics
     abort_timeout_s: float
     tp_size: int  # P's tensor parallel size (this process may serve only some of its ranks)
+    realtime: RealTimeWhileCalm  # the context's I/O threads, lowered while strangers press
 
 
 @dataclass
