@@ -100,3 +100,38 @@ def test_p_whose_python_is_starved_is_not_dead_and_a_stopped_one_is() -> None:
         assert causes["b"][0] == "peer_dead", causes
         assert detected <= 2.5, f"a stopped P was seen after {detected:.2f}s"
         print(f"starved {STARVED_S}s: served; stopped: peer_dead after {detected:.2f}s ({causes['b'][1]})")
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_proven_p_whose_bootstrap_server_is_starved_is_pulled_from_by_its_last_answer() -> None:
+    """D's connection to P is gone (closed while P was stopped), so its next request asks P's bootstrap
+    server again, and P's Python is starved past the lookup's 2 s: P answered before, so D pulls from its
+    last answer and judges P by its ranks (alive: its I/O thread completes the handshake). Before, the
+    request failed `bootstrap: no answer in time` (`kvferry bench vllm --hogs 6`, alone phase)."""
+    with p_and_d() as (p, consumer, causes, finished):
+        p.do("working xfer-a p-a")
+        p.do("ready xfer-a p-a")
+        consumer.start_pulls([PullSpec("a", "xfer-a", D_BLOCKS, "starved-p", p.bootstrap, 16)])
+        wait_until(lambda: ended(consumer, causes, finished, "a"), 20, "the first pull to end")
+        assert causes == {}, causes
+        p.do("working xfer-b p-b")
+        p.do("ready xfer-b p-b")
+        assert p.proc.stdin is not None and p.proc.stdout is not None
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: not consumer._dealers, 10, "D to close its DEALER to the stopped P")
+            p.proc.stdin.write(f"starve {2 * STARVED_S}\n")  # read first thing once P runs again
+            p.proc.stdin.flush()
+            spun = cpu_s(p.proc.pid)
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        wait_until(lambda: cpu_s(p.proc.pid) - spun > 0.2, 10, "P's interpreter to be held")
+        consumer.start_pulls([PullSpec("b", "xfer-b", D_BLOCKS, "starved-p", p.bootstrap, 16)])
+        wait_until(lambda: ended(consumer, causes, finished, "b"), 30, "the second pull to end")
+        assert causes == {}, f"D gave up on a P whose bootstrap server was only slow: {causes}"
+        assert p.proc.stdout.readline().strip() == "ok"  # the starve ended

@@ -74,6 +74,11 @@ class BootstrapError(Exception):
     pass
 
 
+class BootstrapSlow(BootstrapError):
+    """A server that answered before has not answered in time: slow, not gone (a refused connection is
+    a BootstrapError)."""
+
+
 def answer_mac(secret: bytes, nonce: str, info: EngineInfo) -> str:
     """Binds an answer to D's question (its nonce) and to the engine's ranks, under the secret."""
     body = nonce.encode() + b"\0" + msgspec.msgpack.encode(info)
@@ -181,6 +186,8 @@ class BootstrapClient:
         params = {"engine_id": engine_id, "nonce": nonce, **({"transfer_id": transfer_id} if transfer_id else {})}
         try:
             r = self._http.get(f"http://{bootstrap_addr}/query", params=params)
+        except httpx.TimeoutException as exc:
+            raise BootstrapSlow(f"bootstrap server {bootstrap_addr}: no answer in time ({type(exc).__name__})") from exc
         except httpx.HTTPError as exc:
             raise BootstrapError(f"bootstrap server {bootstrap_addr} unreachable: {type(exc).__name__}") from exc
         # Never the body: whatever answers at that address must not get its words into our errors.
@@ -295,7 +302,7 @@ async def refused_alike(allow: PrefillAllowList, bootstrap_addr: str, ask: Calla
     except (ValueError, BootstrapError, TimeoutError) as exc:
         reason = str(exc) if not isinstance(exc, TimeoutError) else "no answer in time"
         if answered_before(bootstrap_addr):
-            raise BootstrapError(reason) from None
+            raise (BootstrapSlow if isinstance(exc, TimeoutError | BootstrapSlow) else BootstrapError)(reason) from None
         log.info("bootstrap target %.100r refused or failed: %s", bootstrap_addr, reason[:200])
         await asyncio.sleep(max(0.0, started + timeout_s - loop.time()))
         raise BootstrapError(REFUSED) from None

@@ -22,6 +22,7 @@ import zmq.asyncio
 from kvferry.connector.bootstrap import (
     BootstrapClient,
     BootstrapError,
+    BootstrapSlow,
     EngineInfo,
     PrefillAllowList,
     lookup_uniform,
@@ -169,7 +170,16 @@ class Consumer:
         fresh = injected or (self.config.liveness and cached is not None and not self._connected(cached))
         # A target outside the allow-list is never asked; every failure is one answer at one time.
         tid = spec.transfer_id if injected else None
-        info = await lookup_uniform(self.bootstrap, self._allow, spec.bootstrap_addr, spec.engine_id, tid, fresh)
+        try:
+            info = await lookup_uniform(self.bootstrap, self._allow, spec.bootstrap_addr, spec.engine_id, tid, fresh)
+        except BootstrapSlow:
+            if cached is None or injected:
+                raise
+            # P answered before and is slow now: its bootstrap server is Python, starved with the rest
+            # of P. Its last answer names its ranks, whose liveness D judges on the control plane (a P
+            # restarted since is told apart there by its boot id); the pull is still bound by its deadline.
+            log.info("bootstrap server %s slow to answer again: pulling from its last answer", spec.bootstrap_addr)
+            info = cached
         if any(self._dealers.retired(r.receiver()) for r in info.ranks):
             # A P that restarted at its address since this (cached) answer, as another pull learnt.
             info = await lookup_uniform(self.bootstrap, self._allow, spec.bootstrap_addr, spec.engine_id, tid, True)
