@@ -32,7 +32,7 @@ def test_serve_bench_poisson(tmp_path: Path) -> None:
 
 def test_itl_spreads_a_gap_over_the_tokens_it_brought() -> None:
     result = RequestResult(0, 1, 4, first_token_at=1.0, token_times=[(1.0, 1), (1.5, 2), (2.5, 4)])
-    assert serve._itl(result) == [0.5, 0.5, 0.5]
+    assert result.itl == [0.5, 0.5, 0.5]
 
 
 def test_client_times_vllm_style_streams_by_their_events() -> None:
@@ -65,4 +65,4 @@ def test_client_times_vllm_style_streams_by_their_events() -> None:
     assert result.outcome == "ok" and result.text == "abc"
     assert result.ttft is not None and result.ttft >= 0.2
     assert [n for _, n in result.token_times] == [1, 2, 3]
-    assert len(serve._itl(result)) == 2
+    assert len(result.itl) == 2

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from kvferry.bench.report import ms, report
-from kvferry.harness.client import DONE, percentile, sse_event
+from kvferry.harness.client import CompletionStream, percentile, spread_itl, stream_body
 from kvferry.harness.sampler import MetricSnapshot, get_metrics, require_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig
 
@@ -76,36 +76,21 @@ def prompts(length: int, count: int, seed: int = SEED) -> list[list[int]]:
 
 def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> Measured:
     """A streaming greedy completion; raises on anything but a complete HTTP 200 stream."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    stream = CompletionStream(time.perf_counter)
     sent = time.perf_counter()
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    with client.stream("POST", f"{url}/v1/completions", json=stream_body(prompt, max_tokens)) as response:
         first = time.perf_counter()
         if response.status_code != 200:
             raise RuntimeError(
                 f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
-        last_t, last_n = first, 1  # the response headers leave with the first token
-        itl: list[float] = []
-        parts: list[str] = []
-        tokens = 0
-        done = False
-        for line in response.iter_lines():
-            event = sse_event(line)
-            if event is None:
-                continue
-            if event is DONE:
-                done = True
-                break
-            now = time.perf_counter()
-            if "error" in event:
-                raise RuntimeError(f"{url}: error in stream: {event['error']}")
-            parts.append(event["choices"][0]["text"])
-            tokens = int(event["usage"]["completion_tokens"])
-            if tokens > last_n:
-                itl += [(now - last_t) / (tokens - last_n)] * (tokens - last_n)
-                last_t, last_n = now, tokens
-    if not done:
+        stream.read(response.iter_lines())
+    if stream.error_event is not None:
+        raise RuntimeError(f"{url}: error in stream: {stream.error_event['error']}")
+    if not stream.done:
         raise RuntimeError(f"{url}: stream ended without [DONE]")
-    return Measured(first - sent, itl, "".join(parts), tokens)
+    tokens = stream.token_times[-1][1] if stream.token_times else 0
+    # The response headers leave with the first token.
+    return Measured(first - sent, spread_itl(first, stream.token_times), stream.text, tokens)
 
 
 def _delta(before: MetricSnapshot, after: MetricSnapshot, name: str) -> float:

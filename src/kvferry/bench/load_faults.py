@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from kvferry.bench.report import report
-from kvferry.harness.client import percentile
+from kvferry.harness.client import CompletionStream, percentile
 from kvferry.harness.system import PDSystem, PDSystemConfig, Role
 
 PROMPTS = [f"load fault {i}: " + "kv " * (10 + 7 * i) for i in range(8)]
@@ -46,22 +46,17 @@ def _system() -> PDSystem:
 
 def _one(http: httpx.Client, url: str, prompt: str) -> tuple[bool, str, str]:
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    text, done = [], False
+    stream = CompletionStream(time.monotonic)
     try:
         with http.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return False, "", f"HTTP {r.status_code}: {r.read()[:200]!r}"
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        return False, "", str(event["error"])[:200]
-                    text.append(event["choices"][0]["text"])
+            stream.read(r.iter_lines())
     except httpx.HTTPError as exc:
         return False, "", repr(exc)
-    return done, "".join(text), "" if done else "no [DONE]"
+    if stream.error_event is not None:
+        return False, "", str(stream.error_event["error"])[:200]
+    return stream.done, stream.text, "" if stream.done else "no [DONE]"
 
 
 def _run_row(name: str, clients: int, per_client: int, fault: Callable[[PDSystem], None]) -> dict[str, Any]:

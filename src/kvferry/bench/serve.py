@@ -82,18 +82,6 @@ async def _poisson(url: str, items: Sequence[WorkItem], results: Sequence[Reques
         await asyncio.gather(*tasks)
 
 
-def _itl(result: RequestResult) -> list[float]:
-    out: list[float] = []
-    if result.first_token_at is None:
-        return out
-    last_t, last_n = result.first_token_at, 1  # the first stream event brings the first token
-    for t, n in result.token_times:
-        if n > last_n:
-            out += [(t - last_t) / (n - last_n)] * (n - last_n)
-            last_t, last_n = t, n
-    return out
-
-
 def run_level(url: str, mode: str, concurrency: int, plan: ServePlan, pool: list[list[int]]) -> tuple[dict[str, Any], list[RequestResult]]:
     items = [WorkItem(i, pool[i % len(pool)], plan.output_tokens) for i in range(plan.requests(concurrency))]
     results = new_results(items)
@@ -109,7 +97,7 @@ def run_level(url: str, mode: str, concurrency: int, plan: ServePlan, pool: list
     wall = max(r.finished_at or 0.0 for r in results) - begin
     tokens = sum(r.token_times[-1][1] if r.token_times else 0 for r in results)
     ttft = [r.ttft for r in results if r.ttft is not None]
-    itl = [gap for r in results for gap in _itl(r)]
+    itl = [gap for r in results for gap in r.itl]
     row = {"mode": mode, "concurrency": concurrency, "requests": len(results), "output_tok_s": tokens / wall,
            "requests_s": len(results) / wall, "ttft_p50_ms": ms(percentile(ttft, 50)),
            "ttft_p99_ms": ms(percentile(ttft, 99)), "itl_p50_ms": ms(percentile(itl, 50)),

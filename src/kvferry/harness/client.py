@@ -11,7 +11,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -78,6 +78,11 @@ class RequestResult:
         return self.first_token_at - self.sent_at
 
     @property
+    def itl(self) -> list[float]:
+        # The first stream event brings the first token.
+        return [] if self.first_token_at is None else spread_itl(self.first_token_at, self.token_times)
+
+    @property
     def latency(self) -> float | None:
         if self.sent_at is None or self.finished_at is None:
             return None
@@ -104,26 +109,80 @@ def _error_fields(content: bytes | str) -> tuple[str | None, str | None, str]:
     return error.get("type"), None if code in (None, "") else str(code), str(error.get("message", ""))[:300]
 
 
-DONE: dict[str, Any] = {}  # what `sse_event` returns for the stream's final `data: [DONE]`
+def stream_body(prompt: list[int] | str, max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
+    """A greedy streaming completion request."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos, "stream": True}
 
 
-def sse_event(line: str) -> dict[str, Any] | None:
-    """One line of an OpenAI completion stream: its JSON event, `DONE`, or None (not a data line)."""
-    if not line.startswith("data: "):
-        return None
-    data = line[len("data: ") :]
-    if data == "[DONE]":
-        return DONE
-    event: dict[str, Any] = json.loads(data)
-    return event
+@dataclass
+class CompletionStream:
+    """One OpenAI completion stream, fed line by line: each event's text and arrival (by `clock`) and the
+    completion tokens so far, until `[DONE]` or an error event ends it. Every streaming client reads
+    through it, so they all parse and time a stream alike."""
+
+    clock: Callable[[], float]
+    parts: list[str] = field(default_factory=list)  # each event's text, empty ones included
+    arrivals: list[float] = field(default_factory=list)  # when each of `parts` came
+    # (arrival, completion tokens so far) per event that brings tokens (for ITL)
+    token_times: list[tuple[float, int]] = field(default_factory=list)
+    done: bool = False
+    error_event: dict[str, Any] | None = None  # the event with "error" that ended the stream
+
+    def feed(self, line: str) -> bool:
+        """Takes one line of the stream; False once the stream is over."""
+        if not line.startswith("data: "):
+            return True
+        if line == "data: [DONE]":
+            self.done = True
+            return False
+        event: dict[str, Any] = json.loads(line[len("data: ") :])
+        if "error" in event:
+            self.error_event = event
+            return False
+        now, choice = self.clock(), event["choices"][0]
+        self.parts.append(choice["text"])
+        self.arrivals.append(now)
+        if "usage" in event:
+            self.token_times.append((now, int(event["usage"]["completion_tokens"])))
+        elif choice["text"] or not choice.get("finish_reason"):  # vLLM: one event per token
+            self.token_times.append((now, (self.token_times[-1][1] if self.token_times else 0) + 1))
+        return True
+
+    def read(self, lines: Iterable[str]) -> CompletionStream:
+        """Feeds `lines` until the stream is over."""
+        for line in lines:
+            if not self.feed(line):
+                break
+        return self
+
+    @property
+    def first_at(self) -> float | None:
+        return self.arrivals[0] if self.arrivals else None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def spread_itl(first_at: float, token_times: Iterable[tuple[float, int]]) -> list[float]:
+    """Inter-token latency, one value per token after the first: the gap before an event is spread over
+    the tokens it brought (a byte token that ends inside a UTF-8 character comes with the next event)."""
+    out: list[float] = []
+    last_t, last_n = first_at, 1  # `first_at` brings the first token
+    for t, n in token_times:
+        if n > last_n:
+            out += [(t - last_t) / (n - last_n)] * (n - last_n)
+            last_t, last_n = t, n
+    return out
 
 
 async def run_request(client: httpx.AsyncClient, url: str, item: WorkItem, result: RequestResult, t0: float,
                       timeout: float) -> None:
     """One streaming completion; fills `result` (times relative to the monotonic `t0`)."""
-    body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0,
-            "ignore_eos": item.ignore_eos, "stream": True}
+    body = stream_body(item.prompt, item.max_tokens, item.ignore_eos)
     result.outcome, result.sent_at = "running", time.monotonic() - t0
+    # The stream fills `result.token_times` in place, so a stuck request keeps what it got.
+    stream = CompletionStream(lambda: time.monotonic() - t0, token_times=result.token_times)
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -135,31 +194,19 @@ async def run_request(client: httpx.AsyncClient, url: str, item: WorkItem, resul
                     kv_failed = response.status_code == 500 and result.error_type == "kv_load_failed"
                     result.outcome = "failed" if kv_failed else "error"
                     return
-                parts: list[str] = []
-                done = False
                 async for line in response.aiter_lines():
-                    event = sse_event(line)
-                    if event is None:
-                        continue
-                    if event is DONE:
-                        done = True
+                    going = stream.feed(line)
+                    result.first_token_at = stream.first_at  # kvferry sends its headers with the first token, vLLM at once
+                    if not going:
                         break
-                    if "error" in event:  # an error after the stream started
-                        error = event["error"]
-                        result.error_type, result.error_code = error.get("type"), error.get("code")
-                        result.error_message = str(error.get("message", ""))[:300]
-                        result.outcome = "error"
-                        return
-                    now, choice = time.monotonic() - t0, event["choices"][0]
-                    if result.first_token_at is None:  # kvferry sends its headers with the first token, vLLM at once
-                        result.first_token_at = now
-                    parts.append(choice["text"])
-                    if "usage" in event:
-                        result.token_times.append((now, int(event["usage"]["completion_tokens"])))
-                    elif choice["text"] or not choice.get("finish_reason"):  # vLLM: one event per token
-                        result.token_times.append((now, (result.token_times[-1][1] if result.token_times else 0) + 1))
-                result.text = "".join(parts)
-                if done:
+                if stream.error_event is not None:  # an error after the stream started
+                    error = stream.error_event["error"]
+                    result.error_type, result.error_code = error.get("type"), error.get("code")
+                    result.error_message = str(error.get("message", ""))[:300]
+                    result.outcome = "error"
+                    return
+                result.text = stream.text
+                if stream.done:
                     result.outcome = "ok"
                 else:
                     result.outcome, result.error_message = "error", "stream ended without [DONE]"

@@ -86,7 +86,7 @@ async def _drive(run: DemoRun, console: Console, live: bool) -> None:
     stop_sampling = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
         for side in ("p", "d"):  # the baseline of every metric delta
-            if not await run.sampler.poll_metrics(client, side):
+            if not await run.sampler.poll(client, side):
                 raise RuntimeError(f"{side.upper()} did not answer /metrics")
     sampling = asyncio.create_task(run.sampler.run(stop_sampling))
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,31 +108,26 @@ class SystemSampler:
         series = self.states[name]
         return series[-1] if series else None
 
-    async def poll_metrics(self, client: httpx.AsyncClient, name: str) -> bool:
+    async def poll(self, client: httpx.AsyncClient, name: str, state: bool = False) -> bool:
+        """One answer of `name`'s /metrics (or /debug/state) into its series; False where none came."""
+        asked = self.now()  # a state is stamped when asked: it is at least this fresh
         try:
-            snapshot = await fetch_metrics(client, self.urls[name])
+            if state:
+                self.states[name].append((asked, await fetch_state(client, self.urls[name])))
+            else:
+                snapshot = await fetch_metrics(client, self.urls[name])
+                self.metrics[name].append((self.now(), snapshot))
         except (httpx.HTTPError, ValueError):
             return False
-        self.metrics[name].append((self.now(), snapshot))
-        return True
-
-    async def poll_state(self, client: httpx.AsyncClient, name: str) -> bool:
-        asked = self.now()  # stamped when asked: the state is at least this fresh
-        try:
-            state = await fetch_state(client, self.urls[name])
-        except (httpx.HTTPError, ValueError):
-            return False
-        self.states[name].append((asked, state))
         return True
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop` is set; every loop polls once more after that, so the end is seen."""
 
-        async def loop(poll: Callable[[httpx.AsyncClient, str], Any], client: httpx.AsyncClient,
-                       name: str) -> None:
+        async def loop(client: httpx.AsyncClient, name: str, state: bool) -> None:
             while True:
                 started = time.monotonic()
-                await poll(client, name)
+                await self.poll(client, name, state)
                 if stop.is_set():
                     return
                 with contextlib.suppress(TimeoutError):
@@ -140,8 +135,7 @@ class SystemSampler:
                                            max(0.0, self.interval - (time.monotonic() - started)))
 
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
-            await asyncio.gather(*(loop(self.poll_metrics, client, name) for name in self.urls),
-                                 *(loop(self.poll_state, client, name) for name in self.urls))
+            await asyncio.gather(*(loop(client, name, state) for state in (False, True) for name in self.urls))
 
 
 def require_drained(named: dict[str, str], timeout: float) -> None:

@@ -3,12 +3,13 @@ or whole, and P's prefill as vllm-router's NIXL mode asks for it."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from typing import Any
 
 import httpx
+
+from kvferry.harness.client import CompletionStream, stream_body
 
 # vllm-router's NIXL mode, as its captures show (tests/routers/captures): P is asked to keep the KV.
 ROUTER_NIXL_P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -26,21 +27,17 @@ def prompt(seed: int, words: int = 900) -> str:
 def stream(url: str, model: str, prompt: str, max_tokens: int,
            timeout: float = 300) -> tuple[float, list[float], str]:
     """TTFT, the gaps between later chunks and the text of one streamed greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    begin, stamps, parts = time.monotonic(), [], []
+    body = {"model": model, **stream_body(prompt, max_tokens)}
+    begin, events = time.monotonic(), CompletionStream(time.monotonic)
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}")
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text = (json.loads(line[6:]).get("choices") or [{}])[0].get("text")
-                if text:
-                    stamps.append(time.monotonic())
-                    parts.append(text)
+        events.read(response.iter_lines())
+    # Only chunks with text count: a stream may carry empty ones (the last, with its finish_reason).
+    stamps = [at for at, text in zip(events.arrivals, events.parts, strict=True) if text]
     if not stamps:
         raise RuntimeError("no tokens streamed")
-    return stamps[0] - begin, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], "".join(parts)
+    return stamps[0] - begin, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], events.text
 
 
 def complete(url: str, model: str, text: str, max_tokens: int, timeout: float,

@@ -64,7 +64,7 @@ from kvferry.bench.vllm.fault_cells import (
 )
 from kvferry.bench.vllm.fault_matrix import Matrix
 from kvferry.bench.vllm.fault_rig import Link, Pair, idle_cpu, wait_healthy, worker_pid
-from kvferry.bench.vllm.servers import export_model, serve_venv
+from kvferry.bench.vllm.servers import export_model, vllm_exe
 from kvferry.bench.vllm.systems import write_doubled_heads
 from kvferry.harness.hosts import HostNetwork, inside
 from kvferry.harness.network import unavailable_reason
@@ -240,9 +240,7 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
         raise SystemExit(f"kvferry bench vllm --faults: {reason}")
     if shutil.which("nft") is None:
         raise SystemExit("kvferry bench vllm --faults: needs nft (apt-get install -y nftables) for the corrupt cell")
-    vllm = serve_venv() / "bin" / "vllm"
-    if not vllm.exists():
-        raise SystemExit(f"kvferry bench vllm --faults: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    vllm = vllm_exe("kvferry bench vllm --faults")
     p_tp = int(os.environ.get("KVFERRY_BENCH_P_TP", "1"))
     if p_tp not in (1, 2):
         raise SystemExit(f"kvferry bench vllm --faults: KVFERRY_BENCH_P_TP must be 1 or 2, not {p_tp}")

@@ -45,7 +45,7 @@ from kvferry.bench.vllm.servers import (
     export_model,
     metric_sum,
     nixl_env,
-    serve_venv,
+    vllm_exe,
 )
 from kvferry.bench.vllm.side_by_side import router_argv
 from kvferry.bench.vllm.systems import d_failure
@@ -236,9 +236,7 @@ def _measure(kind: str, vllm: str, model: str, plan: Plan,
 
 
 def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:
-    vllm = serve_venv() / "bin" / "vllm"
-    if not vllm.exists():
-        raise SystemExit(f"kvferry bench vllm: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    vllm = vllm_exe("kvferry bench vllm")
     try:
         plan = plan_from_env(quick)
     except ValueError as exc:

@@ -36,6 +36,14 @@ def serve_venv() -> Path:
     return Path(os.environ.get("KVFERRY_VLLM_SERVE_VENV", Path.home() / ".cache/kvferry/venv-vllm-serve"))
 
 
+def vllm_exe(command: str) -> Path:
+    """The vllm-serve environment's `vllm`; SystemExit naming `command` where it is not built."""
+    vllm = serve_venv() / "bin" / "vllm"
+    if not vllm.exists():
+        raise SystemExit(f"{command}: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    return vllm
+
+
 def export_model(model: str, directory: str) -> str:
     """The kvferry model as a Hugging Face directory: `vllm serve` loads it, its tokenizer feeds vLLM's client."""
     target = str(Path(directory) / model)

@@ -29,7 +29,7 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, serve_venv
+from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, vllm_exe
 from kvferry.bench.vllm.soak_watch import STALL_S, Watchdog, metrics_of, write_sitecustomize
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
@@ -141,9 +141,7 @@ def summary_row(minutes: float, faults: str, results: list[tuple[str, float]], d
 
 
 def run(json_path: str | None, minutes: float, quick: bool = False) -> list[dict[str, Any]]:
-    vllm = serve_venv() / "bin" / "vllm"
-    if not vllm.exists():
-        raise SystemExit(f"kvferry bench vllm --soak: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    vllm = vllm_exe("kvferry bench vllm --soak")
     faults = os.environ.get("KVFERRY_BENCH_FAULTS", DEFAULT_FAULTS)
     n_refs = 4 if quick else REFERENCE_PROMPTS
     refs_prompts = [prompt(seed, WORDS) for seed in range(n_refs)]

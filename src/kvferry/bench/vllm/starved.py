@@ -29,7 +29,7 @@ import httpx
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
 from kvferry.bench.vllm.runqueue import RunQueueWatch
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, serve_venv
+from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, vllm_exe
 from kvferry.connector.decode.dealer import ALIVE_BUT_SILENT
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
@@ -106,9 +106,7 @@ def _hogs(n: int) -> list[subprocess.Popen[bytes]]:
 
 
 def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str, Any]]:
-    vllm = serve_venv() / "bin" / "vllm"
-    if not vllm.exists():
-        raise SystemExit(f"kvferry bench vllm --hogs: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+    vllm = vllm_exe("kvferry bench vllm --hogs")
     n = 8 if quick else REQUESTS
     prompts = [prompt(seed, WORDS) for seed in range(n)]
     rows: list[dict[str, Any]] = []

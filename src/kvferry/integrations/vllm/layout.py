@@ -227,26 +227,21 @@ class VllmKVLayout(KVLayout):
 
     def stage_out(self, block_ids: Sequence[int]) -> None:
         """Device → mirror; returns once the mirror holds the blocks (the data plane reads it next)."""
-        if not self.staged or not block_ids:
-            return
-
-        def copy_out(cache: Any, host: Any, index: Any) -> None:
-            host.index_copy_(0, index, cache.index_select(0, index.to(cache.device)).cpu())
-
-        wait = self.copies.launch([functools.partial(copy_out, cache, host, index)
-                                   for pairs, index in self._by_group(block_ids) for cache, host in pairs])
-        wait()
+        self._stage(block_ids, lambda cache, host, index: host.index_copy_(
+            0, index, cache.index_select(0, index.to(cache.device)).cpu()))
 
     def stage_in(self, block_ids: Sequence[int]) -> None:
         """Mirror → device; returns once the KV cache holds the blocks: the caller reports the request
         in `finished_recving` next, and vLLM's forward may read them in its next step."""
+        self._stage(block_ids, lambda cache, host, index: cache.index_copy_(
+            0, index.to(cache.device), host.index_select(0, index).to(cache.device)))
+
+    def _stage(self, block_ids: Sequence[int], copy: Callable[[Any, Any, Any], object]) -> None:
+        """`copy(KV cache, host tensor, kernel block index)` for every layer, on `copies`; returns once all
+        are done."""
         if not self.staged or not block_ids:
             return
-
-        def copy_in(cache: Any, host: Any, index: Any) -> None:
-            cache.index_copy_(0, index.to(cache.device), host.index_select(0, index).to(cache.device))
-
-        wait = self.copies.launch([functools.partial(copy_in, cache, host, index)
+        wait = self.copies.launch([functools.partial(copy, cache, host, index)
                                    for pairs, index in self._by_group(block_ids) for cache, host in pairs])
         wait()
 

@@ -53,6 +53,8 @@ class ConnContext:
 
 
 _REPLY_BATCH = 4096  # bytes of replies held back at most
+_NO_GRANT = (wire.Code.UNKNOWN_GRANT, "")
+_CLOSED_MID_WRITE = (wire.Code.GRANT_CLOSED, "grant closed mid-write")
 
 
 class Oversized(wire.ProtocolError):
@@ -86,6 +88,15 @@ class Conn(SockIO):
         self._replies += data
         if status != wire.Status.OK or len(self._replies) > _REPLY_BATCH or not self._poll_in.poll(0):
             self.flush()
+
+    def answer(self, refusal: tuple[wire.Code, str] | None) -> None:
+        """Counts a write and replies to it: accepted (None), else rejected with `refusal`'s code and reason."""
+        if refusal is None:
+            self.ctx.stats.add("accepted_writes")
+            self.reply(wire.Status.OK, wire.Code.OK)
+        else:
+            self.ctx.stats.add("rejected_writes")
+            self.reply(wire.Status.REJECTED, *refusal)
 
     def flush(self) -> None:
         if self._replies:
@@ -158,9 +169,7 @@ class Conn(SockIO):
             self.serve_sealed(grant, verdict, names, ops, head + meta, stop_at)
             return True
         if isinstance(verdict, tuple) or grant is None:
-            code, reason = verdict if isinstance(verdict, tuple) else (wire.Code.UNKNOWN_GRANT, "")
-            self.ctx.stats.add("rejected_writes")
-            self.reply(wire.Status.REJECTED, code, reason)
+            self.answer(verdict if isinstance(verdict, tuple) else _NO_GRANT)
             self.drain(payload_len, stop_at)
             return True
         self.scatter(grant, verdict, names, ops, stop_at)
@@ -191,9 +200,7 @@ class Conn(SockIO):
             self._poison(grant)
             raise BadTag("message failed authentication")
         if isinstance(verdict, tuple) or grant is None:
-            code, reason = verdict if isinstance(verdict, tuple) else (wire.Code.UNKNOWN_GRANT, "")
-            self.ctx.stats.add("rejected_writes")
-            self.reply(wire.Status.REJECTED, code, reason)
+            self.answer(verdict if isinstance(verdict, tuple) else _NO_GRANT)
             return
         with grant.lock:  # the fence: nothing lands once the grant closed
             landed = grant.open and all(r.alive for r in verdict)
@@ -202,12 +209,7 @@ class Conn(SockIO):
                 progress = Progress(names, ops["region"].tolist(), ops["offset"].tolist(), lens)
                 progress.done, progress.finished = len(lens), True
                 grant.track(progress)
-        if not landed:
-            self.ctx.stats.add("rejected_writes")
-            self.reply(wire.Status.REJECTED, wire.Code.GRANT_CLOSED, "grant closed mid-write")
-            return
-        self.ctx.stats.add("accepted_writes")
-        self.reply(wire.Status.OK, wire.Code.OK)
+        self.answer(None if landed else _CLOSED_MID_WRITE)
 
     def check(self, grant: Grant | None, names: list[str],
               ops: np.ndarray) -> tuple[wire.Code, str] | list[Region]:
@@ -292,12 +294,7 @@ class Conn(SockIO):
         finally:
             with grant.lock:
                 progress.finished = True
-        if fenced:
-            self.ctx.stats.add("rejected_writes")
-            self.reply(wire.Status.REJECTED, wire.Code.GRANT_CLOSED, "grant closed mid-write")
-            return
-        self.ctx.stats.add("accepted_writes")
-        self.reply(wire.Status.OK, wire.Code.OK)
+        self.answer(_CLOSED_MID_WRITE if fenced else None)
 
     @staticmethod
     def _poison(grant: Grant | None) -> None:
