@@ -47,6 +47,7 @@ class SlowP:
         self.leases: list[float] = []  # lease_s of every heartbeat
         self.released = False
         self.last_ack = 0.0
+        self.ack = HeartbeatAck()  # what each heartbeat is answered with
 
     def serve(self, until: Callable[[], bool], timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -64,7 +65,7 @@ class SlowP:
                 elif isinstance(msg, Release):
                     self.released = True  # D gave up on this P
             while self.owed and self.owed[0][0] <= time.monotonic():
-                self.rank.sock.send_multipart([self.owed.pop(0)[1], self.rank.sealer.seal(encode(HeartbeatAck()))])
+                self.rank.sock.send_multipart([self.owed.pop(0)[1], self.rank.sealer.seal(encode(self.ack))])
                 self.last_ack = time.monotonic()
 
 
@@ -130,6 +131,26 @@ def test_p_whose_python_stops_answering_is_waited_on_until_the_requests_deadline
         assert f"within {deadline}s" in message and "P rank 0: pull not answered" in message, message
         # The request's own deadline, counted from its start (and a second of slack for a busy box).
         assert deadline - (frozen - started) - 0.5 < detected <= deadline + 1.0, detected
+
+
+def test_a_p_that_answers_heartbeats_gets_to_give_its_own_answer_past_recv_timeout() -> None:
+    """P holds D's pull but has not taken in the request (vLLM still queues it; its heartbeat acks say
+    so), and its own answer (`not ready` after its abort timeout, counted on P's clock) comes after D's
+    `recv_timeout_s`: D waits for P's answer. Before, D failed the pull `recv_timeout` first
+    (`kvferry bench vllm --hogs 6`: a P whose Python was starved took in D's pull late, so its abort
+    timeout ran out after D's). A P that holds the transfer and never answers still fails at
+    `recv_timeout_s` (`test_consumer_spine.py`, the `drop_reply` fault)."""
+    recv = 0.5
+    with make_rig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, recv_timeout_s=recv,
+                  kv_load_deadline_s=10.0) as rig:
+        p, identity, pull = start(rig)
+        p.stalls, p.ack = {}, HeartbeatAck(unknown=[pull.transfer_id])
+        held_until = time.monotonic() + 3 * recv
+        p.serve(until=lambda: time.monotonic() > held_until)
+        assert "r" not in rig.finished and not p.released, f"D gave up on a P that answers: {rig.causes}"
+        p.rank.reply(identity, pull, Status.FINISH, err_reqs=["r"], err_msg="Timeout waiting for P side ready")
+        rig.wait_finished("r")
+        assert rig.causes["r"][0] == "err_reqs" and rig.invalid == set(D_BLOCKS), rig.causes
 
 
 def test_lagging_d_asks_for_a_longer_lease() -> None:

@@ -28,7 +28,7 @@ from kvferry.connector.bootstrap import (
     lookup_uniform,
 )
 from kvferry.connector.decode.dealer import Dealer, Dealers
-from kvferry.connector.decode.landed import Landed, p_working_since, stall_stage
+from kvferry.connector.decode.landed import Landed, p_owes_since, stall_stage
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.decode.pulls import (
     LEASE_HEARTBEATS,
@@ -238,10 +238,12 @@ class Consumer:
                 waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
-                working = p_working_since(pull, self._dealers)
-                if working is not None and working + self.config.recv_timeout_s > self.loop.time():
-                    # P still has the request queued or prefilling: only our own deadline bounds this.
-                    deadline = working + self.config.recv_timeout_s
+                # P says it still owes its own answer (the request queued or prefilling, or not taken in
+                # yet: a parked pull that P answers by its abort timeout, counted on P's clock, which
+                # starts late when P's Python was starved): only the request's deadline bounds this.
+                owes = p_owes_since(pull, self._dealers)
+                if owes is not None and owes + self.config.recv_timeout_s > self.loop.time():
+                    deadline = owes + self.config.recv_timeout_s
                     continue
                 self._handle_failed_recv(
                     [pull], LoadCause.RECV_TIMEOUT, f"no reply from P within {self.config.recv_timeout_s}s"

@@ -132,6 +132,7 @@ class Dealer:
         self.part_checksums: dict[WaiterKey, list[int]] = {}
         # When P last said it still has a transfer queued or prefilling (its HeartbeatAck.working).
         self.working_seen: dict[str, float] = {}
+        self.parked_seen: dict[str, float] = {}  # transfers P said it has not taken in yet (their pulls park)
         loop = asyncio.get_running_loop()
         self.last_seen = loop.time()
         self.last_used = loop.time()  # when a message last went out (idle dealers get closed)
@@ -171,6 +172,7 @@ class Dealer:
         self.waiters.pop(key, None)
         self._sent.pop(key, None)
         self.working_seen.pop(key[0], None)
+        self.parked_seen.pop(key[0], None)
         self.part_checksums.pop(key, None)
         return self.writing_since.pop(key, None)
 
@@ -242,6 +244,7 @@ class Dealer:
         self._sent.clear()
         self.writing_since.clear()
         self.working_seen.clear()
+        self.parked_seen.clear()
         self.part_checksums.clear()
 
     async def _read(self) -> None:
@@ -270,6 +273,8 @@ class Dealer:
                         self.on_rtt(rtt)
                 for tid in message.working:
                     self.working_seen[tid] = self.last_seen
+                for tid in message.unknown:
+                    self.parked_seen[tid] = self.last_seen
                 continue
             key = (message.transfer_id, message.d_request_id)
             if message.status == Status.CONTINUE:

@@ -132,17 +132,23 @@ def stall_stage(pull: PullMeta, dealers: Dealers, now: float) -> str:
             stages.append(f"P rank {t.p_rank}: writing for {now - dealer.writing_since[key]:.1f}s")
         elif key[0] in dealer.working_seen:
             stages.append(f"P rank {t.p_rank}: still prefilling")
+        elif key[0] in dealer.parked_seen:
+            stages.append(f"P rank {t.p_rank}: has not taken the request in (the pull waits there)")
         else:
             stages.append(f"P rank {t.p_rank}: pull not answered, P last heard {now - dealer.last_seen:.1f}s ago")
     return "; ".join(stages)
 
 
-def p_working_since(pull: PullMeta, dealers: Dealers) -> float | None:
-    """When a P rank last said it is still working on this pull's transfer (None: never)."""
+def p_owes_since(pull: PullMeta, dealers: Dealers) -> float | None:
+    """When a P rank last said it still owes this pull its own answer (None: never): it is working on
+    the transfer (queued or prefilling), or has not taken it in yet, so the pull waits at P and P
+    answers it by its abort timeout, counted on P's clock."""
+    tid = pull.spec.transfer_id
     seen = [
-        d.working_seen[pull.spec.transfer_id]
+        since
         for t in pull.tasks
         if (d := dealers.get((t.d_rank, t.control_addr))) is not None
-        and pull.spec.transfer_id in d.working_seen
+        for since in (d.working_seen.get(tid), d.parked_seen.get(tid))
+        if since is not None
     ]
     return max(seen, default=None)
