@@ -98,7 +98,7 @@ class DropLog:
 class RealTimeWhileCalm:
     """P's libzmq I/O threads, real-time while no stranger presses on the control port. At SCHED_RR an
     I/O thread accepts a flood's connections faster than the rank loops, at normal priority, evict the
-    unproven ones (a burst of 1,000 idle ones left 676 descriptors open), and works every refused
+    unproven ones (docs/security.md), and works every refused
     handshake ahead of everything else on its CPU. So the first sign of strangers (an eviction, a refused
     handshake, more than `PRESS_UNPROVEN` connections still unproven) lowers the threads to normal
     priority, where accepting and evicting share the CPU as any threads do, and `calm_s` without one lifts
