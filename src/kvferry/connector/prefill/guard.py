@@ -98,11 +98,10 @@ class DropLog:
 class RealTimeWhileCalm:
     """P's libzmq I/O threads, real-time while no stranger presses on the control port. At SCHED_RR an
     I/O thread accepts a flood's connections faster than the rank loops, at normal priority, evict the
-    unproven ones (docs/security.md), and works every refused
-    handshake ahead of everything else on its CPU. So the first sign of strangers (an eviction, a refused
-    handshake, more than `PRESS_UNPROVEN` connections still unproven) lowers the threads to normal
-    priority, where accepting and evicting share the CPU as any threads do, and `calm_s` without one lifts
-    them again. While strangers flood, a live P on an oversubscribed node may again be called dead; a
+    unproven ones (docs/security.md), and works every refused handshake ahead of everything else on its
+    CPU. So the first sign of strangers (an eviction, a refused handshake, more than `PRESS_UNPROVEN`
+    connections still unproven) lowers the threads to normal priority, where accepting and evicting share
+    the CPU as any threads do, and `calm_s` without one lifts them again. While strangers flood, a live P on an oversubscribed node may again be called dead; a
     stranger never gets a real-time thread's time beyond the burst before the first sign."""
 
     def __init__(self, threads: IoThreads, metrics: Metrics, calm_s: float = CALM_S) -> None:

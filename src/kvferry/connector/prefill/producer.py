@@ -73,7 +73,7 @@ class Producer:
         # The loops get exactly what they use, never the producer itself.
         self._shared = RankShared(self._ctx, self._stop, self._in_step, secret, layout, self.engines, self.table,
                                   self.senders, faults, metrics, abort_timeout_s, self.tp_size,
-                                   RealTimeWhileCalm(io_threads, metrics))
+                                  RealTimeWhileCalm(io_threads, metrics))
         self._ranks = [RankLoop(self._shared, rank, host, control_port and control_port + rank, advertise_host or host)
                        for rank in self.engines]
         self.control_addrs = [r.address for r in self._ranks]  # advertised
