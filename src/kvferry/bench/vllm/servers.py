@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+import kvferry
 from kvferry.harness.metrics_text import parse_samples
 from kvferry.harness.processes import HARNESS_SECRET, Supervised, free_port
 
@@ -37,10 +38,20 @@ def serve_venv() -> Path:
 
 
 def vllm_exe(command: str) -> Path:
-    """The vllm-serve environment's `vllm`; SystemExit naming `command` where it is not built."""
-    vllm = serve_venv() / "bin" / "vllm"
+    """The vllm-serve environment's `vllm`; SystemExit naming `command` where it is not built, or where
+    its kvferry is another checkout's (an editable install follows the checkout that built it last): its
+    servers would not run the code this bench measures."""
+    venv = serve_venv()
+    vllm, hint = venv / "bin" / "vllm", "build it: bash .ci/vllm-serve.sh --env-only"
     if not vllm.exists():
-        raise SystemExit(f"{command}: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
+        raise SystemExit(f"{command}: no vLLM at {vllm} ({hint})")
+    here = Path(kvferry.__file__).resolve().parent
+    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvferry; print(kvferry.__file__)"],
+                           capture_output=True, text=True, timeout=120)
+    there = found.stdout.strip() if found.returncode == 0 else (found.stderr.strip().splitlines() or ["?"])[-1]
+    if found.returncode != 0 or Path(there).resolve().parent != here:
+        raise SystemExit(f"{command}: the vllm-serve environment at {venv} has kvferry from {there}, not {here}: "
+                         f"its servers would not run this code ({hint})")
     return vllm
 
 

@@ -42,7 +42,7 @@ from kvferry.bench.vllm.servers import (
     export_model,
     metric_sum,
     nixl_env,
-    serve_venv,
+    vllm_exe,
 )
 from kvferry.bench.vllm.systems import System, d_failure, selected, with_ratios, write_tp_model
 from kvferry.harness.client import percentile
@@ -175,14 +175,12 @@ def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:
                              "MooncakeConnector's listeners bind every interface")
         os.execve(prefix[0], [*prefix, sys.executable, "-m", "kvferry", *sys.argv[1:]], {**os.environ, _IN_NETNS: "1"})
     loopback_up()
-    vllm = serve_venv() / "bin" / "vllm"
+    vllm = vllm_exe("kvferry bench vllm")
     router_exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     try:
         systems = selected(os.environ.get("KVFERRY_BENCH_SYSTEMS"))
     except ValueError as exc:
         raise SystemExit(f"kvferry bench vllm: {exc}") from exc
-    if not vllm.exists():
-        raise SystemExit(f"kvferry bench vllm: no vLLM at {vllm} (build it: bash .ci/vllm-serve.sh --env-only)")
     prompts = [_prompt(120 + 60 * i, i) for i in range(1 if quick else 4)]
     max_tokens = 32 if quick else 128
     long_prompt = _prompt(1500, 9)

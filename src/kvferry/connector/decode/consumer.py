@@ -41,14 +41,7 @@ from kvferry.connector.decode.pulls import (
 from kvferry.connector.digest import block_key
 from kvferry.connector.layout import KVLayout, overlap, p_ranks_for
 from kvferry.connector.loads import P_CAUSES, LoadCause, LoadReport
-from kvferry.connector.messages import (
-    MAX_MESSAGE_BYTES,
-    PullRequest,
-    PullResponse,
-    Release,
-    Status,
-    encode,
-)
+from kvferry.connector.messages import MAX_MESSAGE_BYTES, PullRequest, PullResponse, Release, Status, encode
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.zmq_context import liveness_context
 from kvferry.transfer.base import TransferEngine
@@ -175,9 +168,8 @@ class Consumer:
         except BootstrapSlow:
             if cached is None or injected:
                 raise
-            # P answered before and is slow now: its bootstrap server is Python, starved with the rest
-            # of P. Its last answer names its ranks, whose liveness D judges on the control plane (a P
-            # restarted since is told apart there by its boot id); the pull is still bound by its deadline.
+            # P answered before and is slow now (its bootstrap server is Python, starved with the rest of
+            # P): its last answer names its ranks, judged on the control plane (`docs/architecture.md`).
             log.info("bootstrap server %s slow to answer again: pulling from its last answer", spec.bootstrap_addr)
             info = cached
         if any(self._dealers.retired(r.receiver()) for r in info.ranks):
@@ -238,9 +230,7 @@ class Consumer:
                 waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
-                # P says it still owes its own answer (the request queued or prefilling, or not taken in
-                # yet: a parked pull that P answers by its abort timeout, counted on P's clock, which
-                # starts late when P's Python was starved): only the request's deadline bounds this.
+                # P says it owes its own answer (`p_owes_since`): only the request's deadline bounds this.
                 owes = p_owes_since(pull, self._dealers)
                 if owes is not None and owes + self.config.recv_timeout_s > self.loop.time():
                     deadline = owes + self.config.recv_timeout_s
