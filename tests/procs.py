@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -9,6 +11,13 @@ from contextlib import contextmanager
 from kvferry.harness.processes import ManagedProcess, free_port, wait_all_healthy
 
 __all__ = ["Proc", "free_port", "pd_system", "running", "serve", "wait_until"]
+
+
+def can_schedule_realtime() -> bool:
+    """Whether this machine lets a process of ours run a thread SCHED_RR (CAP_SYS_NICE, real-time time in
+    its cgroup): root in a container may lack it."""
+    code = "import os; os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):  # type: ignore[no-untyped-def]

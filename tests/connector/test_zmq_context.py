@@ -17,8 +17,10 @@ import zmq.asyncio
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.prefill.guard import RealTimeWhileCalm
 from kvferry.connector.zmq_context import RT_PRIORITY, ZMQ_THREAD_PREFIX, liveness_context
+from procs import can_schedule_realtime
 
 LINUX = os.path.isdir("/proc/self/task")
+REALTIME = LINUX and can_schedule_realtime()
 
 
 def _threads() -> dict[str, tuple[int, int]]:
@@ -39,7 +41,7 @@ def test_the_io_thread_is_named_and_lifted_and_nothing_else(kind: type[zmq.Conte
         new = {k: v for k, v in _threads().items() if k not in before}
         io = {k: v for k, v in new.items() if k.split()[1].startswith(f"{ZMQ_THREAD_PREFIX}/ZMQbg/IO/")}
         assert len(io) == 1, new
-        if os.geteuid() == 0:
+        if REALTIME:
             assert set(io.values()) == {(os.SCHED_RR, RT_PRIORITY)}, new
         others = {k: v for k, v in _threads().items() if k not in io}
         assert set(others.values()) == {(os.SCHED_OTHER, 0)}, others
@@ -74,7 +76,7 @@ def _policy(tid: int) -> int:
     return os.sched_getscheduler(tid)
 
 
-@pytest.mark.skipif(not LINUX or os.geteuid() != 0, reason="real-time scheduling needs CAP_SYS_NICE (root)")
+@pytest.mark.skipif(not LINUX or not REALTIME, reason="real-time scheduling needs CAP_SYS_NICE")
 def test_strangers_lower_ps_io_threads_until_they_have_been_quiet() -> None:
     ctx, threads = liveness_context(zmq.Context, lift=False)
     metrics = Metrics()
