@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from typing import Any, TypeVar
 
@@ -40,27 +39,23 @@ C = TypeVar("C", bound=zmq.Context[Any])
 
 class IoThreads:
     """One context's libzmq I/O threads: `lift` schedules them real-time, `lower` hands them back to the
-    process's own policy and nice value (lowering needs no privilege; lifting again does)."""
+    process's own policy and nice value (lowering needs no privilege; lifting again does). Whoever lifts
+    and lowers them from several threads serializes the calls (`RealTimeWhileCalm`)."""
 
     def __init__(self, tids: list[int]) -> None:
         self.tids = tids
-        self.lifted = False  # raised in some way: real-time, or nice `IO_NICE` where that is refused
         self.realtime = False  # every one of them SCHED_RR
-        self._lock = threading.Lock()
 
     def lift(self) -> None:
-        with self._lock:
-            self.realtime = all([_lift(tid) for tid in self.tids]) and bool(self.tids)
-            self.lifted = True
+        self.realtime = all([_lift(tid) for tid in self.tids]) and bool(self.tids)
 
     def lower(self) -> None:
-        with self._lock:
-            nice = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's: the process's own
-            for tid in self.tids:
-                with contextlib.suppress(OSError):  # gone with its context
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
-            self.lifted = self.realtime = False
+        nice = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's: the process's own
+        for tid in self.tids:
+            with contextlib.suppress(OSError):  # gone with its context
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        self.realtime = False
 
 
 def liveness_context(kind: type[C], lift: bool = True) -> tuple[C, IoThreads]:

@@ -115,7 +115,7 @@ class RealTimeWhileCalm:
 
     def pressed(self, why: str) -> None:
         with self._lock:
-            if self._pressed_at is None and self._threads.lifted:
+            if self._pressed_at is None:  # lifted until now
                 self._threads.lower()
                 self._gauge.set(0)
                 log.warning("strangers on P's control port (%s): its libzmq I/O threads run at normal priority "
