@@ -48,6 +48,7 @@ class SlowP:
         self.released = False
         self.last_ack = 0.0
         self.ack = HeartbeatAck()  # what each heartbeat is answered with
+        self.pulls: list[tuple[bytes, PullRequest]] = []  # pulls D sent (again) while we serve
 
     def serve(self, until: Callable[[], bool], timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -64,6 +65,8 @@ class SlowP:
                     self.pings += 1
                 elif isinstance(msg, Release):
                     self.released = True  # D gave up on this P
+                elif isinstance(msg, PullRequest):
+                    self.pulls.append((identity, msg))
             while self.owed and self.owed[0][0] <= time.monotonic():
                 self.rank.sock.send_multipart([self.owed.pop(0)[1], self.rank.sealer.seal(encode(self.ack))])
                 self.last_ack = time.monotonic()
@@ -138,8 +141,7 @@ def test_a_p_that_answers_heartbeats_gets_to_give_its_own_answer_past_recv_timeo
     so), and its own answer (`not ready` after its abort timeout, counted on P's clock) comes after D's
     `recv_timeout_s`: D waits for P's answer. Before, D failed the pull `recv_timeout` first
     (`kvferry bench vllm --hogs 6`: a P whose Python was starved took in D's pull late, so its abort
-    timeout ran out after D's). A P that holds the transfer and never answers still fails at
-    `recv_timeout_s` (`test_consumer_spine.py`, the `drop_reply` fault)."""
+    timeout ran out after D's)."""
     recv = 0.5
     with make_rig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, recv_timeout_s=recv,
                   kv_load_deadline_s=10.0) as rig:
@@ -151,6 +153,45 @@ def test_a_p_that_answers_heartbeats_gets_to_give_its_own_answer_past_recv_timeo
         p.rank.reply(identity, pull, Status.FINISH, err_reqs=["r"], err_msg="Timeout waiting for P side ready")
         rig.wait_finished("r")
         assert rig.causes["r"][0] == "err_reqs" and rig.invalid == set(D_BLOCKS), rig.causes
+
+
+def test_a_live_p_that_has_not_answered_the_pull_is_asked_again_not_failed() -> None:
+    """P answers heartbeats but not D's pull past `recv_timeout_s` (the pull or its answer was lost, or
+    P's write runs long on a starved box): a live P is never failed by the receive timeout. D sends the
+    same pull again (P answers a repeat idempotently) and waits, and P's answer to the repeat serves
+    the request. Before, D failed it `recv_timeout` while P lived (`kvferry bench vllm --hogs 6`: one
+    request per full run, 35 s after its pull, well before its 60 s deadline)."""
+    recv = 0.4
+    with make_rig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, recv_timeout_s=recv,
+                  kv_load_deadline_s=10.0) as rig:
+        p, _, pull = start(rig)
+        p.stalls = {}
+        p.serve(until=lambda: len(p.pulls) >= 2)  # asked again twice: P was never given up on
+        rig.drain()
+        assert "r" not in rig.finished and not p.released, f"D gave up on a P that answers: {rig.causes}"
+        identity, again = p.pulls[-1]
+        assert (again.transfer_id, again.grant_token, again.block_ids) == (pull.transfer_id, pull.grant_token,
+                                                                           pull.block_ids)
+        sums = p.rank.write(again, P_BLOCKS)
+        p.rank.reply(identity, again, Status.FINISH, ok_reqs=["r"], checksums=sums)
+        rig.wait_finished("r")
+        assert rig.causes == {} and rig.invalid == set(), rig.causes
+        np.testing.assert_array_equal(rig.d_kv[D_BLOCKS], rig.p_kv[P_BLOCKS])
+
+
+def test_a_live_p_that_never_answers_fails_at_the_requests_deadline() -> None:
+    """The `drop_reply` fault against a live P: asked again and again, it never answers, so the
+    request's own deadline ends it (`deadline`, naming the stage), never `recv_timeout`."""
+    recv, deadline = 0.3, 1.5
+    with make_rig(heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=FLOOR, recv_timeout_s=recv,
+                  kv_load_deadline_s=deadline) as rig:
+        p, _, _ = start(rig)
+        p.stalls = {}
+        started = time.monotonic()
+        p.serve(until=lambda: bool(rig.drain() or "r" in rig.finished))
+        cause, message = rig.causes["r"]
+        assert cause == "deadline" and "asked again" in message, rig.causes
+        assert time.monotonic() - started >= deadline - 0.5 and len(p.pulls) >= 2, p.pulls
 
 
 def test_lagging_d_asks_for_a_longer_lease() -> None:

@@ -216,7 +216,7 @@ def test_bytes_without_p_checksums_count_for_nothing() -> None:
     unverified, so no block counts as loaded. Before, a block whose bytes all landed counted, and D
     decoded from a block P's own engine had written wrong (#30's lifecycle machine: the `corrupt` fault,
     then P killed before its answer, and both D ranks sampled with wrong KV, no load failure)."""
-    with make_rig(recv_timeout_s=0.3) as rig:
+    with make_rig(recv_timeout_s=0.3, heartbeat_timeout_s=0) as rig:
         rig.pull("r", D_BLOCKS)
         p = rig.ranks[0]
         _, pull = p.recv_pull()
@@ -228,7 +228,7 @@ def test_bytes_without_p_checksums_count_for_nothing() -> None:
 
 def test_without_checksums_asked_the_landed_bytes_count() -> None:
     """`checksums: false` is the operator's choice: coverage alone judges the blocks then."""
-    with make_rig(recv_timeout_s=0.3, checksums=False) as rig:
+    with make_rig(recv_timeout_s=0.3, heartbeat_timeout_s=0, checksums=False) as rig:
         rig.pull("r", D_BLOCKS)
         p = rig.ranks[0]
         _, pull = p.recv_pull()
@@ -239,7 +239,10 @@ def test_without_checksums_asked_the_landed_bytes_count() -> None:
 
 
 def test_receive_timeout() -> None:
-    with make_rig(recv_timeout_s=0.3) as rig:
+    """With liveness off (heartbeat timeout 0, as in vLLM's own connectors) nothing says P lives: its
+    silence past `recv_timeout_s` fails the pull. With liveness on, a live P is asked again instead
+    (`test_adaptive_liveness.py`)."""
+    with make_rig(recv_timeout_s=0.3, heartbeat_timeout_s=0) as rig:
         rig.pull("r", D_BLOCKS)
         rig.ranks[0].recv_pull()  # and never answer
         rig.wait_finished("r")

@@ -211,6 +211,9 @@ def test_p_answers_a_repeated_pull_as_it_did_the_first() -> None:
     assert first.kind == "write" and first.write is not None
     assert table.begin_pull(pull, 0, 1.5).kind == "writing"
     assert table.writes_in_flight() == 1
+    # D's heartbeat meanwhile: P owes the pull its answer, so D waits past its receive timeout (a
+    # write on a starved box may outlast it). Before, the ack listed nothing for a transfer in flight.
+    assert table.renew(["t"], 2.0, 1.6) == ([], ["t"])
     other = PullRequest("t", "d-t", "127.0.0.1:1", "grant-2", [0, 1], 8, 1, 0, 8, lease_s=2.0, prompt_digest="digest")
     assert table.begin_pull(other, 0, 1.5).kind == "refused"
     finish = PullResponse(Status.FINISH, "d-t", "t", ok_reqs=["d-t"], checksums=[11, 12], first_token=FirstToken(7, 0.0))

@@ -18,7 +18,7 @@ SLOW = "slow"
 CAUSE_OF_FAULT = {
     "bootstrap": "bootstrap",
     "p_not_ready": "err_reqs",
-    "drop_reply": "recv_timeout",
+    "drop_reply": "deadline",  # a live P is asked again until the request's deadline (liveness on)
     "error_reply": "error_reply",
     "err_reqs": "err_reqs",
     "transport": "transport",

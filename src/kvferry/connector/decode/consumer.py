@@ -1,8 +1,8 @@
 """Decode side (worker role): pull KV from P ranks into local blocks, and the failure spine.
 
 Every pull runs as a coroutine on one asyncio loop (its own thread). Whatever goes wrong — ERROR
-reply, err_reqs, data-plane error, exception, receive timeout, bootstrap failure, lost peer, deadline,
-bad checksum — ends in `_handle_failed_recv`, which reports the request in finished_recving together
+reply, err_reqs, data-plane error, exception, receive timeout (liveness off; a live P is asked
+again), bootstrap failure, lost peer, deadline, bad checksum — ends in `_handle_failed_recv`, which reports the request in finished_recving together
 with exactly the blocks that were not completely and correctly written. The loop never touches
 scheduler state: it only fills the outbox that the engine thread drains once per step.
 """
@@ -28,7 +28,7 @@ from kvferry.connector.bootstrap import (
     lookup_uniform,
 )
 from kvferry.connector.decode.dealer import Dealer, Dealers
-from kvferry.connector.decode.landed import Landed, p_owes_since, stall_stage
+from kvferry.connector.decode.landed import Landed, ask_again, p_owes_since, stall_stage
 from kvferry.connector.decode.liveness import DelayEstimator
 from kvferry.connector.decode.pulls import (
     LEASE_HEARTBEATS,
@@ -230,10 +230,13 @@ class Consumer:
                 waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
-                # P says it owes its own answer (`p_owes_since`): only the request's deadline bounds this.
+                # P owes its own answer (`p_owes_since`) or lives (`ask_again`): the request's deadline bounds this.
                 owes = p_owes_since(pull, self._dealers)
                 if owes is not None and owes + self.config.recv_timeout_s > self.loop.time():
                     deadline = owes + self.config.recv_timeout_s
+                    continue
+                if self.config.liveness and ask_again(pull, self._dealers):
+                    deadline = self.loop.time() + self.config.recv_timeout_s
                     continue
                 self._handle_failed_recv(
                     [pull], LoadCause.RECV_TIMEOUT, f"no reply from P within {self.config.recv_timeout_s}s"

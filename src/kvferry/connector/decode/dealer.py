@@ -33,7 +33,7 @@ import asyncio
 import logging
 import os
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
@@ -130,7 +130,7 @@ class Dealer:
         # The checksums P sent with each partial write (progressive push), in the pull's block order: the
         # blocks they cover count if P dies before its answer.
         self.part_checksums: dict[WaiterKey, list[int]] = {}
-        # When P last said it still has a transfer queued or prefilling (its HeartbeatAck.working).
+        # When P last said it still has a transfer queued, prefilling or writing (its HeartbeatAck.working).
         self.working_seen: dict[str, float] = {}
         self.parked_seen: dict[str, float] = {}  # transfers P said it has not taken in yet (their pulls park)
         loop = asyncio.get_running_loop()
@@ -228,10 +228,10 @@ class Dealer:
         self.lost = True
         self._dead(reason)
 
-    def _resend(self) -> None:
-        """The re-dial completed: P's replies sent while the connection was down are gone, so every pull
-        we still wait on goes again (P answers a repeat idempotently)."""
-        for key in list(self.waiters):
+    def resend(self, keys: Iterable[WaiterKey] | None = None) -> None:
+        """Send pulls we still wait on again (all of them after a re-dial: P's replies sent while the
+        connection was down are gone); P answers a repeat idempotently."""
+        for key in list(self.waiters if keys is None else keys):
             if key in self._sent:
                 self.send_raw(self._sent[key])
 
@@ -301,7 +301,7 @@ class Dealer:
                     self.silence.observe(now - self.dropped)
                     log.info("connection to P at %s re-established after %.1fs; its pulls are sent again",
                              self.addr, now - self.dropped)
-                    self._resend()
+                    self.resend()
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 if not self.lost:

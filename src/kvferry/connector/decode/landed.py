@@ -131,17 +131,18 @@ def stall_stage(pull: PullMeta, dealers: Dealers, now: float) -> str:
         elif key in dealer.writing_since:
             stages.append(f"P rank {t.p_rank}: writing for {now - dealer.writing_since[key]:.1f}s")
         elif key[0] in dealer.working_seen:
-            stages.append(f"P rank {t.p_rank}: still prefilling")
+            stages.append(f"P rank {t.p_rank}: working on it (queued, prefilling or writing)")
         elif key[0] in dealer.parked_seen:
             stages.append(f"P rank {t.p_rank}: has not taken the request in (the pull waits there)")
         else:
-            stages.append(f"P rank {t.p_rank}: pull not answered, P last heard {now - dealer.last_seen:.1f}s ago")
+            again = f", asked again {pull.asked_again}x" if pull.asked_again else ""
+            stages.append(f"P rank {t.p_rank}: pull not answered{again}, P last heard {now - dealer.last_seen:.1f}s ago")
     return "; ".join(stages)
 
 
 def p_owes_since(pull: PullMeta, dealers: Dealers) -> float | None:
     """When a P rank last said it still owes this pull its own answer (None: never): it is working on
-    the transfer (queued or prefilling), or has not taken it in yet, so the pull waits at P and P
+    the transfer (queued, prefilling or writing), or has not taken it in yet, so the pull waits at P and P
     answers it by its abort timeout, counted on P's clock."""
     tid = pull.spec.transfer_id
     seen = [
@@ -152,3 +153,21 @@ def p_owes_since(pull: PullMeta, dealers: Dealers) -> float | None:
         if since is not None
     ]
     return max(seen, default=None)
+
+
+def ask_again(pull: PullMeta, dealers: Dealers) -> bool:
+    """`recv_timeout_s` passed without P's answer, and P's ranks live (liveness has lost none): send the
+    pull again and leave its end to the request's deadline, so a live P is never failed by a timeout.
+    P answers a repeat idempotently: from its remembered answer, by the write in flight, or afresh if
+    the pull itself was lost. False when a rank's connection is gone (D fails the pull then)."""
+    key = (pull.spec.transfer_id, pull.request_id)
+    live = [d for t in pull.tasks if not t.done
+            if (d := dealers.get((t.d_rank, t.control_addr))) is not None and key in d.waiters and not d.lost]
+    if len(live) < sum(not t.done for t in pull.tasks):
+        return False
+    pull.asked_again += 1
+    log.warning("no answer from P for %s within the receive timeout while P lives: asked again (%d), "
+                "the request's deadline bounds the wait", pull.request_id, pull.asked_again)
+    for dealer in live:
+        dealer.resend([key])
+    return True

@@ -96,6 +96,7 @@ class PullMeta:
     tasks: list[PullTask] = field(default_factory=list)
     pull_tasks_count: int = 0
     failed: bool = False
+    asked_again: int = 0  # times the pull went again to a live P that had not answered it in time
     coroutine: asyncio.Task[None] | None = None
 
     @property

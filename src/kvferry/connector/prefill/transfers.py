@@ -359,7 +359,7 @@ class TransferTable:
 
     def renew(self, transfer_ids: Iterable[str], lease_s: float, now: float) -> tuple[list[str], list[str]]:
         """D's heartbeat: extend the leases it names. Returns (ids we do not hold, ids P is still
-        working on: queued or prefilling)."""
+        working on: queued, prefilling or writing, so D waits for its answer)."""
         unknown, working = [], []
         with self.lock:
             for tid in transfer_ids:
@@ -367,7 +367,7 @@ class TransferTable:
                 if t is None or t.doomed is not None:
                     unknown.append(tid)
                     continue
-                if t.working:
+                if t.working or t.writes:
                     working.append(tid)
                 if t.expires != math.inf:
                     t.expires = max(t.expires, now + self._lease_s(lease_s))

@@ -17,7 +17,7 @@ from kvferry.connector.faults import CAUSE_OF_FAULT
 
 METRIC = "kvferry:kv_load_failures"
 # Every cause kvferry's decode side reports (docs/design.md), so each series exists from the start.
-CAUSES = sorted({*CAUSE_OF_FAULT.values(), "bootstrap", "peer_dead", "deadline", "expired"})
+CAUSES = sorted({*CAUSE_OF_FAULT.values(), "bootstrap", "peer_dead", "deadline", "expired", "recv_timeout"})
 
 
 @dataclass
