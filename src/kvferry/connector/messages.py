@@ -96,7 +96,7 @@ class PullResponse(msgspec.Struct, tag="resp", forbid_unknown_fields=True):
 
 class HeartbeatAck(msgspec.Struct, tag="hb_ack", forbid_unknown_fields=True):
     unknown: list[str] = []  # transfer ids P does not hold (expired or never seen)
-    working: list[str] = []  # transfer ids P still has queued or prefilling: keep waiting
+    working: list[str] = []  # transfer ids P still has queued, prefilling or being written: keep waiting
 
 
 class NotMe(msgspec.Struct, tag="not_me", forbid_unknown_fields=True):
