@@ -1,6 +1,5 @@
-"""`kvferry bench chunked`: how long a 2-token request waits when it arrives while a long prompt is being
-prefilled, with chunked prefill (the default cap) and without (cap 0), against the same request on an
-idle engine. One in-process engine thread per set-up, tiny model, 1 BLAS thread."""
+"""`kvferry bench chunked`: how long a 2-token request waits behind a long prefill, with chunked prefill
+and without, against the same request on an idle engine."""
 
 from __future__ import annotations
 

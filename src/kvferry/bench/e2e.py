@@ -1,23 +1,9 @@
 """`kvferry bench e2e`: TTFT and inter-token latency, colocated vs disaggregated (proxy + P + D).
 
-One colocated instance (`kvferry serve --role both`) and one P/D system (proxy, P, D) run side by side
-on free loopback ports, every process with single-threaded BLAS. For each prompt length (128, 2k and 8k
-byte tokens) the same prompts are sent to both, streaming, one request at a time (the two modes take
-turns, so a slow moment of the machine hits both), greedy (temperature 0, ignore_eos) with
-`OUTPUT_TOKENS` output tokens; the outputs of the two modes must be identical, or the bench raises.
-
-Where the figures come from:
-- TTFT: time to the response headers (an instance answers only once the first token exists; the proxy
-  relays D's headers);
-- ITL: every SSE event carries `usage.completion_tokens`; the time between two events is spread over
-  the tokens that arrived with the later one (a byte token that ends inside a UTF-8 character arrives
-  with the next event);
-- transfer_ms: per request, the delta of D's `kvferry_kv_transfer_seconds` sum (from P's first write
-  into D's memory to P's FINISH reply); p_write_ms: the same from P's histogram (the data-plane write
-  alone); kv_mib: the delta of `kvferry_kv_transfer_bytes_total`;
-- transfer_share_of_ttft: transfer_ms p50 / disaggregated TTFT p50; x_ttft_vs_colocated: disaggregated
-  TTFT p50 / colocated TTFT p50.
-After the run, P and D must have freed every KV block, or the bench raises."""
+The same prompts go to both modes in turn (so a slow moment hits both), streamed, greedy; outputs must
+be identical and every KV block freed afterwards, or the bench raises. TTFT is the time to the response
+headers (sent with the first token); transfer_ms and p_write_ms are per-request deltas of D's and P's
+`kvferry_kv_transfer_seconds`."""
 
 from __future__ import annotations
 

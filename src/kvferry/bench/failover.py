@@ -1,11 +1,6 @@
-"""`kvferry bench failover`: how long a decode request waits on a prefill instance that died or hung.
-
-For each repetition P prefills a request, D pulls it while P sits on the write (`slow` fault), then P
-gets `kill -9` or SIGSTOP; we time until the client holds D's answer (HTTP 500, cause peer_dead), which
-is when the request left WAITING_FOR_REMOTE_KVS (plus a loopback round trip). P is then restarted at the
-same address, which must work at once. Side by side: kvferry's defaults (heartbeats + connection events)
-and liveness off, where only the receive timeout (abort timeout + 5 s; vLLM's Mooncake defaults are
-480 + 60 s) frees the request."""
+"""`kvferry bench failover`: how long a decode request waits on a prefill instance that died (kill -9) or
+hung (SIGSTOP) mid-pull, with kvferry's liveness (heartbeats + connection events) and without it, where
+only the receive timeout frees the request."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""`kvferry bench flood`: legitimate P/D requests while a stranger without the secret floods
-P's control port or D's data port, against the same requests on the same system with no flood.
+"""`kvferry bench flood`: legitimate P/D requests while a stranger without the secret floods P's control
+port or D's data port, against the same requests with no flood.
 
-One proxy + P + D (the harness's `PDSystem`, KVFERRY_SECRET set), the stranger in a process of its own
-(`harness/stranger.py`, the floods of tests/security). For each flood in turn: quiet and flood phases
-of the same streamed requests through the proxy, one after another, in the order Q F F Q (so a drift of
-the box's load hits both alike). A request is ok when its stream ends with [DONE] and its text is the
-fault-free one. TTFT: from sending to the first streamed token; the goal: >= 99 % ok and TTFT p99 at
-most 2x the quiet p99 measured next to it. `fds`: the flooded process's descriptors (P for its control
-port, D for its data port), before and at the peak of the flood phases; `drops`: what P counted in
-`kvferry_control_dropped_total`, or for D's data port the stranger's connections that D closed. A
-second table says where the time goes (with --json PATH, its rows go to PATH.costs.json)."""
+Phases run Q F F Q so a drift of the box's load hits quiet and flooded alike. A request is ok when its
+stream ends with [DONE] and its text is the fault-free one; the goal: >= 99 % ok and TTFT p99 at most
+2x the quiet p99. A second table says where the time goes (with --json PATH, in PATH.costs.json)."""
 
 from __future__ import annotations
 

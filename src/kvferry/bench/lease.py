@@ -1,15 +1,6 @@
-"""`kvferry bench lease`: how long P holds a prefill's blocks after the D pulling them dies or hangs.
-
-For each repetition P prefills a request and D pulls it while P sits on the write (`slow` fault, a
-write that D's lease can cancel like a real one); then D gets `kill -9` or SIGSTOP (at a random phase of
-its heartbeats), and we time until P's block pool is whole again (`/debug/state`: blocks_free ==
-blocks_total). D stops heartbeating, so its lease (7 × 0.25 s) runs out, P cancels the writes to it and
-frees the blocks well before the abort timeout (30 s here). D is restarted after each repetition.
-
-Then starved but alive: 40 requests (12 with --quick) through each of two P/D systems at once, one
-with adaptive liveness (the default) and one with the fixed thresholds (`--heartbeat-ceiling 0`),
-while 3 CPU hogs per core spin, and again while P or D is also frozen in bursts (SIGSTOP/SIGCONT, the
-same for both systems): false `peer_dead` failures and P's expired leases, counted from /metrics."""
+"""`kvferry bench lease`: how long P holds a prefill's blocks after the D pulling them dies or hangs (D's
+lease runs out, P cancels the writes), then false `peer_dead`s and expired leases while CPU hogs starve
+two live P/D systems, adaptive liveness beside fixed thresholds."""
 
 from __future__ import annotations
 

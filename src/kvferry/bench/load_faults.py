@@ -1,12 +1,8 @@
-"""`kvferry bench load_faults`: the ordinary life of a deployment under load, in the shape of NVIDIA
-Dynamo's published fault table (8 clients x 100 requests; kill -9 of a P, of a D, each restarted after
-5 s), plus a rolling restart (SIGTERM of every instance in turn, each started again at its ports).
+"""`kvferry bench load_faults`: faults under load in the shape of NVIDIA Dynamo's published table (kill -9
+of a P, of a D, each back after 5 s), plus a rolling restart, on proxy + 2 P + 2 D.
 
-proxy + 2 P + 2 D on loopback, every request a stream through the proxy (temperature 0, 24 tokens), and
-an answer counts as ok only when its stream ends with [DONE] and its text equals the fault-free text.
-`recovery_s`: from the fault until the first request sent after it is answered ok (how long new traffic
-is turned away or stalls); `worst_s`: the slowest request of the run. The table's title quotes
-Dynamo's published figures beside ours."""
+An answer is ok only when its stream ends with [DONE] and its text is the fault-free one. `recovery_s`:
+from the fault until the first request sent after it is answered ok."""
 
 from __future__ import annotations
 

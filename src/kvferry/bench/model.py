@@ -1,15 +1,8 @@
 """`kvferry bench model`: prefill and decode tokens/s of kvferry's numpy engine on SmolLM2, beside
-transformers (torch, CPU, float32) on the same weights in the same run when torch is installed.
+transformers (torch, CPU, float32) on the same weights when torch is installed, at one thread count.
 
-Both sides use the same thread count (`--blas-threads`, default 1: kvferry's determinism needs one
-count everywhere). Prefill: one prompt of N tokens, one call. Decode: 32 tokens at batch 1, greedy,
-after a 128-token prompt, then 32 steps of 8 sequences decoding together (numpy: one `forward_batch`
-per step, as the engine runs them; transformers: a batch of 8 equal-length prompts).
-
-What batch invariance costs: the batch-8 decode again with every generated row's linear layers as one
-plain matrix product of the whole batch (`x @ W.T`, what a batched engine would do), beside ours, and
-whether a sequence's logits in that batch are still the bits it gets alone (OpenBLAS picks its kernel by
-the product's height, so they are not: that is why the engine does not do it)."""
+It also times batch-8 decode with plain `x @ W.T` products and checks whether a sequence still gets its
+lone bits: OpenBLAS picks its kernel by the product's height, which is why the engine does not do it."""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """`kvferry bench progressive`: what progressive push buys in TTFT.
 
-Two P/D systems run side by side (each a proxy, P and D; harness/system.py), the same but for P's
-`--progressive-push` (on, with `--progressive-min-tokens 0` so the short prompts show what it would do
-there too) and `--no-progressive-push`, beside one colocated instance; every process with one BLAS
-thread and the default `--max-prefill-chunk` (256). For each prompt length the same prompts go to the
-three in turn, streamed, one request at a time, greedy; the outputs must be identical, or the bench
-raises. Per length and link (p50 over the prompts):
-- ttft_*_ms: time to the response headers (an instance answers once the first token exists);
-- prefill_ms: P's own TTFT for the request (its `kvferry_time_to_first_token_seconds`: P's prefill);
-- transfer_ms: the transfer alone, from the system without progressive push: D's
-  `kvferry_kv_transfer_seconds` (P's first write into D's memory to P's FINISH), after the prefill;
-- over_on_ms / over_off_ms: what P/D adds to TTFT over colocated. Two processes' prefills of one prompt
-  differ by seconds on a shared box, far more than a loopback transfer, so per request it is the
-  client's TTFT minus P's own TTFT (the proxy, the transfer after the prefill, D's step), less the same
-  for the colocated instance (its HTTP path); over_on_vs_transfer: over_on / transfer (the goal: at
-  most 0.25); parts: partial writes per request (`kvferry_progressive_writes_total`).
-Links: loopback, then (root with `ip` and `tc`) a shaped one: both P in a network namespace behind a
-veth pair (harness/network.py) with `tc tbf`, at the rate that makes the transfer of the reference
-prompt's KV alone take as long as its colocated prefill; D, the proxies and the colocated instance on
-the host. Every instance must end with every KV block free, or the bench raises."""
+Two P/D systems, the same but for P's progressive push, beside one colocated instance; the same prompts
+go to the three in turn and the outputs must be identical. `over_*_ms` is what P/D adds to TTFT over
+colocated, taken per request as the client's TTFT minus P's own (two processes' prefills of one prompt
+differ by more than a loopback transfer). With root, `ip` and `tc`, a second pass puts P behind a veth
+pair shaped so that the reference prompt's KV takes as long to move as its prefill."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""`kvferry bench serve`: serving throughput and latency under concurrent load, colocated and P/D.
+"""`kvferry bench serve`: throughput and latency under concurrent load, colocated and P/D.
 
-One colocated instance (`kvferry serve --role both`) and one P/D system (P, D, `kvferry proxy`), both
-from `PDSystem`, run on free loopback ports, every process with single-threaded BLAS. For each concurrency
-(default 1, 4, 16, 64) the load client (kvferry.harness.client) sends `requests` streaming greedy
-completions (ignore_eos, `output_tokens` each) to one mode, then the other: closed loop (at most
-`concurrency` in flight, the next sent as one finishes), or with `--poisson RATE` arrivals of a Poisson
-process at RATE requests/s (still at most `concurrency` in flight). Prompts are byte tokens from a fixed
-seed: a pool of `pool` prompts, request i asks prompt i % pool, so the same prompt runs in many
-different batches.
-
-Figures: output tok/s and requests/s over the wall time of the level (first send to last answer); TTFT =
-time to the response headers (sent with the first token); ITL = the time between two stream events,
-spread over the tokens the later one brought. Every answer must be bit-identical to a one-at-a-time
-greedy run of its prompt in this process (`generate_greedy`: one sequence alone), or the bench raises
-(after printing the table): that is what batched decoding must not change."""
+Closed loop (at most `concurrency` in flight) or, with `--poisson RATE`, Poisson arrivals. Every answer
+must be bit-identical to a one-at-a-time greedy run of its prompt, or the bench raises: that is what
+batched decoding must not change."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""`kvferry bench transfer`: in-process numpy gather/scatter vs the TCP engine vs NIXL vs Mooncake TE.
+"""`kvferry bench transfer`: in-process numpy gather/scatter (memcpy) vs the TCP engine (plain and
+authenticated) vs NIXL vs Mooncake TE.
 
-- memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit); its repetitions alternate with
-  the TCP ones (same blocks), so the ratios compare runs made under the same load.
-- tcp: sender in this process, receiver in a subprocess (`kvferry.harness.peer`), so the two sides
-  do not share a GIL; CPU time is the sum of both processes.
-- tcp+auth: the same with a shared secret: every message's payload encrypted and tagged with AES-256-GCM
-  and verified before it lands (`transfer.tcp.mac`); its repetitions alternate with tcp's, so both see
-  the same load; `x_tcp` is encrypted ÷ plain.
-- nixl: the NIXL engine (`transfer.nixl`, UCX: cma on one host), sender here, receiver in a
-  subprocess as for tcp, with the bench secret; its rounds alternate with memcpy's and tcp's; skipped
-  when nixl is not installed.
-- mooncake: both engines in one subprocess inside a private network namespace (its listeners bind
-  every interface); skipped when it is not installed or no namespace can be made.
-Block ids are random permutations on both sides; every byte is verified with xxh3 outside the timed
-part; GB/s is the median over repetitions."""
+Receivers run in a subprocess so the two sides share no GIL; the backends' repetitions alternate so a
+noisy box loads them alike. Mooncake runs in a private network namespace (its listeners bind every
+interface). Every byte is verified with xxh3 outside the timed part; GB/s is the median."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""`kvferry chaos`: 1P1D + proxy under faults of every kind plus `kill -9` and SIGSTOP/SIGCONT of P at
-random moments (P restarted after a kill); then a verdict on stuck requests, leaked blocks, output
-mismatches, and (under `fail`) whether exactly the predicted requests failed with the predicted cause.
-
-The fault function is pure in (seed, name, transfer_id) and the proxy reports each request's
-transfer_id, so every outcome is predicted. Requests in flight while P was killed or frozen may also
-fail (peer_dead, or the proxy's 502 when P died mid-prefill): they are reported as "hit by P chaos"."""
+"""`kvferry chaos`: 1P1D + proxy under faults of every kind plus kill -9 and SIGSTOP of P at random moments;
+then a verdict on stuck requests, leaked blocks, output mismatches and, under `fail`, whether exactly the
+predicted requests failed with the predicted cause (the fault function is pure in the transfer_id).
+Requests in flight while P was killed or frozen may fail either way: they count as "hit by P chaos"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The HTTP load client: deterministic workloads, streaming completions, outcomes and percentiles.
-
-`run_workload` sends OpenAI-style streaming completions with bounded concurrency, so TTFT is measured (an
-instance sends its response headers only once the first token exists, so TTFT is the time to the
-response headers); every outcome is classified (ok, failed with a cause, stuck, error)."""
+"""The HTTP load client: deterministic workloads, streaming completions, outcomes and percentiles. TTFT
+is the time to the response headers: an instance sends them only once the first token exists."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
 """`kvferry demo`: a P/D system on loopback runs a workload while faults are injected, then reports.
 
-It starts one prefill instance (P), one decode instance (D) and the proxy on free loopback ports, sends
-`--requests` streaming completions of mixed prompt lengths (1 to 2,000 byte tokens, 4 in flight), shows a
-live view, and ends with a report (and optionally --json / --plot). The colocated reference
-(`TinyLlama.generate_greedy`) is computed in a side process at nice 10 while the system runs, with the
-same BLAS thread count as P and D. Exit code 0 only if no request was stuck, no KV block leaked on P or
-D, every successful output matched the reference and every failure was a clean HTTP 500 with a cause
-(which only `--policy fail` may produce); 2 for bad options, 130 when interrupted.
-
-Where the figures come from:
-- requests ok / failed / stuck: the client (stuck = no complete answer within `--request-timeout`);
-- recomputed: deltas over the run of D's `kvferry_kv_load_failures_total` (under `recompute` every
-  failed load is recomputed on D) and `kvferry_recomputed_tokens_total` (streams carry no per-request
-  figure);
-- TTFT: time to the response headers (an instance answers only once the first token exists);
-- transfer time, bytes, GB/s: P's `kvferry_kv_transfer_seconds` / `_bytes_total` (the data-plane write;
-  D's histogram also counts the wait for P's prefill, since the proxy sends to P and D at once);
-  transfer share of TTFT = sum of P's transfer seconds / sum of TTFT of the successful requests;
-- leaked blocks: after the run, /debug/state is polled until blocks_free == blocks_total, no transfer
-  is pending and no request is held on both sides (deadline: `--abort-timeout` + 10 s, so leases that
-  P frees by timeout are waited for); what is still held at the deadline is the leak."""
+Exit code 0 only if no request was stuck, no KV block leaked, every successful output matched the
+colocated reference and every failure was a clean HTTP 500 with a cause; 2 for bad options, 130 when
+interrupted. Transfer figures come from P's histogram: D's also counts the wait for P's prefill."""
 
 from __future__ import annotations
 

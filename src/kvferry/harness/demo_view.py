@@ -1,7 +1,4 @@
-"""`kvferry demo`'s live view: the requests by state on the client, P and D, the KV transfers, the blocks held.
-
-`render` is the rich view, redrawn while the demo runs; `plain_line` the one-line progress of a non-terminal.
-"""
+"""`kvferry demo`'s live view (`render`) and the one-line progress of a non-terminal (`plain_line`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Several "hosts" on one machine: each host is a network namespace with one address on a Linux bridge,
-and its own firewall (iptables, default-DROP INPUT). The bridge lives in a namespace of its own, so
-nothing is added to the machine's own network namespace and no packet can leave these namespaces.
-`tests/deploy/test_multi_host.py` runs P, D and vllm-router as three such hosts. Needs root, `ip` and
-`iptables` (`network.unavailable_reason` says why not)."""
+"""Several "hosts" on one machine: network namespaces on a Linux bridge, each with its own firewall. The
+bridge lives in a namespace of its own, so the machine's own network is untouched. Needs root, `ip` and
+`iptables`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`kvferry chaos --network`: P in its own network namespace, D and the proxy on the host, and network
-faults on the veth pair between them while load runs: random packet loss, a partition in the middle of
-transfers (then healed), a bandwidth cap. Verdict per scenario: nothing stuck, no block leaked once the
-link heals, every failure typed (an OpenAI error body with a type), and after healing every new request
-succeeds."""
+"""`kvferry chaos --network`: P in its own network namespace, loss, a partition and a bandwidth cap on the
+veth pair under load. A scenario passes when nothing is stuck, no block leaks, every failure is typed and
+every request after healing succeeds."""
 
 from __future__ import annotations
 

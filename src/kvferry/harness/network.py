@@ -1,8 +1,6 @@
-"""Network faults between P and D: P runs in a private network namespace joined to the host's by a
-veth pair; D, the proxy and the load client stay in the host namespace, D bound to the host end of the
-pair, so every byte between P and the others (HTTP, bootstrap, ZMQ control, TCP data plane) crosses
-the pair. Faults are applied on the pair: random loss (iptables `statistic`), a partition (DROP rules),
-a bandwidth cap (`tc tbf` on both ends). Needs root, `ip`, `iptables` and `tc`."""
+"""Network faults between P and D: P in a private network namespace joined to the host's by a veth pair,
+so every byte between P and the others crosses the pair, where loss, partitions and rate caps apply.
+Needs root, `ip`, `iptables` and `tc`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""A receiver in its own process, driven by JSON lines on stdin (used by the tests and the bench).
+"""A transfer receiver in its own process, driven by JSON lines on stdin (tests and the bench): honest
+numbers (no GIL shared with the sender), and it can be frozen or killed.
 
-    python -m kvferry.harness.peer --size BYTES [--region dst] [--transfer tcp|nixl]
-
-Prints `{"address": ..., "pid": ...}` once listening, then answers one JSON line per command:
-grant, written, close_grant, stats, fill, digest, and write (this process as the sender, from its
-region). Exits when stdin closes.
-A separate process gives honest numbers (no GIL shared with the sender) and can be frozen or killed."""
+    python -m kvferry.harness.peer --size BYTES [--region dst] [--transfer tcp|nixl]"""
 
 from __future__ import annotations
 

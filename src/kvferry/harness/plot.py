@@ -1,7 +1,4 @@
-"""`kvferry demo --plot`: per-request latency with fault markers, transfer throughput, blocks held.
-
-One function per panel; `write_plot` lays them out and draws what they share (fault lines, the end of
-the workload)."""
+"""`kvferry demo --plot`: per-request latency with fault markers, transfer throughput, blocks held."""
 
 from __future__ import annotations
 

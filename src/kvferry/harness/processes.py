@@ -1,8 +1,6 @@
-"""Start, watch and stop child processes: `python -m kvferry serve|proxy` (`ManagedProcess`; a P/D system
-of them is `harness.system`), and (through `Supervised`) the benches' vLLM servers and the tests' routers.
-
-Every child is stopped (SIGTERM, a bounded wait, then SIGKILL), also when the caller fails: by its own
-pid, or by its process group when it was started in one (servers that start processes of their own)."""
+"""Start, watch and stop child processes: kvferry's own (`ManagedProcess`) and, through `Supervised`, the
+benches' vLLM servers and the tests' routers. Every child is stopped (SIGTERM, a bounded wait, SIGKILL)
+by pid, or by process group for servers that start processes of their own."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A real model's workload: short chat questions through the model's chat template, as token ids
-(so the proxy, P, D and the reference all see exactly the same prompt), answered until EOS."""
+"""A real model's workload: short chat questions through its chat template, as token ids, so the proxy,
+P, D and the reference all see the same prompt."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The colocated reference for demo and chaos: `generate_greedy` of the `--model` in a side process
-(`python -m kvferry.harness.reference`), at low CPU priority so that the system under test gets the CPU first,
-with the same BLAS thread count as the instances (greedy outputs are bit-identical only for one)."""
+"""The colocated reference for demo and chaos: `generate_greedy` in a side process at nice 10 (the system
+under test gets the CPU first), with the instances' BLAS thread count (greedy outputs are bit-identical
+only for one)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`kvferry demo`: the state a run shares between its live view and its report, and the report (a
-dict for --json, and the rich table)."""
+"""`kvferry demo`: the state its live view and report share, and the report (a dict for --json, a table)."""
 
 from __future__ import annotations
 

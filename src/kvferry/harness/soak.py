@@ -1,10 +1,6 @@
-"""`kvferry soak --minutes N`: P, D and the proxy under steady load with injected faults of every kind,
-P and D restarted (kill -9) and P frozen in turn; every few seconds it samples open fds, threads and RSS
-of each process (from /proc) and blocks held and transfer-table sizes of P and D (/debug/state). It
-fails when any series grows without bound: a least-squares slope per process lifetime (after a warm-up),
-both steeper than that series' limit per hour and adding more than its noise floor over the fitted span.
-A single high reading proves nothing; a slope does. P and D are checked per lifetime (a restart resets
-them), the proxy (never restarted) over the whole run."""
+"""`kvferry soak --minutes N`: P, D and the proxy under steady load, faults and restarts, sampled for fds,
+threads, RSS, blocks held and transfer tables. A series fails when its least-squares slope per process
+lifetime is both above its limit per hour and above its noise floor: a single high reading proves nothing."""
 
 from __future__ import annotations
 

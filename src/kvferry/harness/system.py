@@ -1,9 +1,6 @@
-"""One P/D system: prefill and decode instances of `python -m kvferry serve`, the proxy in front of them
-and, as the baseline a bench compares with, a colocated (`--role both`) instance, each on a free port.
-The harness and the benches start kvferry instances here only (tests/test_layers.py keeps it so).
-
-Use it as a context manager (or call stop() in a finally): every process it started is stopped by pid,
-also when the body raises or the user presses Ctrl-C."""
+"""One P/D system: prefill and decode `kvferry serve` instances, the proxy and optionally a colocated
+instance, each on a free port. The harness and the benches start kvferry instances here only. As a
+context manager it stops every process by pid, also on errors and Ctrl-C."""
 
 from __future__ import annotations
 

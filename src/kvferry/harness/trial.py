@@ -1,7 +1,5 @@
-"""The pipeline under `kvferry demo` and `kvferry chaos`: a workload (chat questions for a real model, byte
-prompts for tiny) → its colocated reference (`generate_greedy` in a side process, computing while a P/D
-system serves the same workload) → the judge of every answer against the reference. Each command brings
-its own faults, checks and report."""
+"""The pipeline under `kvferry demo` and `kvferry chaos`: a workload, its colocated reference computing in
+a side process meanwhile, and the judge of every answer against it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""How one cell of `kvferry bench vllm --faults` runs: P prefills, the fault lands (while D's read, or
-between P's answer and D's request), the D's answer, and the cell records the answer, D's failure
-counters, what P and D held and when they were back to 0 KV blocks."""
+"""How one cell of `kvferry bench vllm --faults` runs: P prefills, the fault lands, the D's answer, and the
+cell records the answer, D's failure counters, what P and D held and when they freed their blocks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The network rig of `kvferry bench vllm --faults`: one connector's P and two D's on the hosts of a
-`harness.hosts` network, the faults on P's link (rate cap, partition, one altered packet), and what the
-servers hold (requests, KV blocks) and use (cores)."""
+"""The network rig of `kvferry bench vllm --faults`: one connector's P's and D's on `harness.hosts`, the
+faults on P's link, and what the servers hold and use."""
 
 from __future__ import annotations
 

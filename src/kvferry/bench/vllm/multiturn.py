@@ -1,22 +1,10 @@
 """`kvferry bench vllm --workload multiturn`: conversations through real `vllm serve`, where D's own prefix
 cache holds the earlier turns and a connector should move only the KV past that hit.
 
-Each conversation's turn is the previous prompt, that turn's answer and a new user message (text
-prompts). The answers that grow the context are the colocated server's (it runs first), so every
-system gets the very same prompts and each of its answers is compared with colocated's on its own. The
-conversations run in waves, one per turn index: within a wave the conversations' requests start a
-stagger apart, so later ones arrive (and P/D pull their KV) while earlier ones decode, and D's counters
-between waves belong to one turn index.
-
-Systems, one at a time on the same box (so that they do not compete for cores): colocated `vllm serve`;
-KVFerryConnector behind `kvferry proxy`; vLLM's NixlConnector behind vllm-router's NIXL mode, as
-`kvferry bench vllm` runs it (bench/vllm/side_by_side.py). Per turn index: TTFT p50/p99, D's
-`vllm:prompt_tokens_by_source` deltas and the prompt tokens D computed per request (a wave's
-local_compute over its requests: 0 means none of them computed one), the inter-token gaps of the
-streamed answers (p50, p99) and the answers equal to colocated's. (vLLM's per-request
-`vllm:request_prefill_kv_computed_tokens` would not do: on D it counts P's cache hits, which P hands D
-as `remote_prefill_cached_tokens` for the client's usage figures, not D's own compute.) `KVFERRY_BENCH_CONVERSATIONS` and
-`KVFERRY_BENCH_TURNS` size the run (default 3 × 4; `--quick` 2 × 3)."""
+Every system gets the very same prompts (the context grows by colocated's answers) and each answer is
+compared with colocated's. Turns run in waves with staggered requests, so D's counters between waves
+belong to one turn index. D's `vllm:prompt_tokens_by_source` is used, not
+`vllm:request_prefill_kv_computed_tokens`, which on D counts P's cache hits."""
 
 from __future__ import annotations
 

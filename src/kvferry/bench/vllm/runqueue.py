@@ -1,12 +1,8 @@
 """How long libzmq's I/O threads in P's and D's processes wait for a CPU (`kvferry bench vllm --hogs`).
 
-D calls a P dead when a dropped connection is not re-dialled in time, and only libzmq's I/O threads (no
-Python) take part in a re-dial. So when a live P is called dead, the question is whether those threads were
-runnable and left waiting by the kernel's scheduler (CPU starvation), or not runnable at all (blocked, or
-the whole VM held by its host: steal time). Linux counts both per thread: `/proc/<pid>/task/<tid>/schedstat`
-holds the nanoseconds a thread ran and the nanoseconds it waited on a run queue; `/proc/stat` the CPU
-time the host took (steal). Sampling them every SAMPLE_S names the starvation's size and kind.
-"""
+Only those threads take part in re-dialling a dropped connection, so when a live P is called dead the
+question is whether they were runnable but left waiting (starvation) or not runnable at all (steal
+time). `/proc/<pid>/task/<tid>/schedstat` and `/proc/stat` hold both, sampled every SAMPLE_S."""
 
 from __future__ import annotations
 

