@@ -15,7 +15,15 @@ from typing import Any
 import httpx
 
 from kvferry.bench.vllm.fault_cells import POLICIES, SHORT_LEASE_S
-from kvferry.bench.vllm.servers import COMMON, NIXL_CONFIG, ServerGroup, group_pids, metric_sum, nixl_env
+from kvferry.bench.vllm.servers import (
+    COMMON,
+    NIXL_CONFIG,
+    ServerGroup,
+    group_pids,
+    kvferry_kv,
+    metric_sum,
+    nixl_env,
+)
 from kvferry.bench.vllm.systems import TP2_ARGS, TP2_ENV
 from kvferry.harness.processes import free_port
 
@@ -58,8 +66,7 @@ class Pair:
             extra: dict[str, Any] = {"engine_id": f"bench-{name}", "host": host.ip, "bootstrap_port": self.bootstrap}
             if short:
                 extra["abort_timeout_s"] = SHORT_LEASE_S
-            config = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                      "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+            config = kvferry_kv("kv_producer", None, **extra)
             env: dict[str, str] = {}
         else:
             config = {**self.nixl_config, "kv_connector_extra_config": {"kv_lease_duration": SHORT_LEASE_S} if short
@@ -88,11 +95,8 @@ class Pair:
     def start_d(self, policy: str) -> Any:
         host = self.net["d"]
         if self.kind == "kvferry":
-            config: dict[str, Any] = {
-                "kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                "kv_role": "kv_consumer", "kv_load_failure_policy": policy,
-                "kv_connector_extra_config": {"host": host.ip, "prefill_allow": [self.net["p"].ip, self.net["p2"].ip],
-                                              "data_port": self.data_ports[policy]}}
+            config = kvferry_kv("kv_consumer", policy, host=host.ip, prefill_allow=[self.net["p"].ip, self.net["p2"].ip],
+                                data_port=self.data_ports[policy])
             env: dict[str, str] = {}
         else:
             config = {**self.nixl_config, "kv_load_failure_policy": policy}

@@ -8,17 +8,13 @@ belong to one turn index. D's `vllm:prompt_tokens_by_source` is used, not
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,14 +22,14 @@ import httpx
 from kvferry.bench.report import ms, report
 from kvferry.bench.vllm.client import VOCAB, stream
 from kvferry.bench.vllm.servers import (
-    COMMON,
-    LOOPBACK,
-    NIXL_CONFIG,
     ServerGroup,
     export_model,
+    kvferry_proxy,
     metric_sum,
-    nixl_env,
+    pd_servers,
+    router_exe,
     vllm_exe,
+    vllm_server,
 )
 from kvferry.bench.vllm.side_by_side import router_argv
 from kvferry.bench.vllm.systems import d_failure
@@ -172,30 +168,13 @@ def turn_rows(system: str, run: Run, reference: dict[tuple[int, int], Answer] | 
     return rows
 
 
-def _kv_config(kind: str, role: str, bootstrap: int) -> str:
-    if kind == "nixl":
-        return json.dumps(NIXL_CONFIG)
-    extra: dict[str, Any] = {"engine_id": "bench-multiturn-p", "bootstrap_port": bootstrap} \
-        if role == "kv_producer" else {}
-    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                       "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
-
-
 def _pd(kind: str, vllm: str, model: str) -> list[ServerGroup]:
     """P, D and the front: `kvferry proxy` for kvferry, vllm-router's NIXL mode for NixlConnector."""
-    bootstrap, p_port, d_port, front = free_port(), free_port(), free_port(), free_port()
-    p_env, d_env = ({}, {}) if kind != "nixl" else \
-        (nixl_env(LOOPBACK, "lo", "21000-21499"), nixl_env(LOOPBACK, "lo", "21500-21999"))
-    p = ServerGroup(f"{kind}-prefill", [vllm, "serve", model, "--port", str(p_port), *COMMON, "--kv-transfer-config",
-                                        _kv_config(kind, "kv_producer", bootstrap)], p_port, p_env)
-    d = ServerGroup(f"{kind}-decode", [vllm, "serve", model, "--port", str(d_port), *COMMON, "--kv-transfer-config",
-                                       _kv_config(kind, "kv_consumer", bootstrap)], d_port, d_env)
-    if kind == "nixl":
-        router_exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        argv = router_argv(router_exe, front, kind, p.url, d.url, bootstrap)
-    else:
-        argv = [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url, "--port", str(front)]
-    return [p, d, ServerGroup(f"{kind}-front", argv, front)]
+    p, d, bootstrap = pd_servers(kind, kind, vllm, model, "bench-multiturn-p")
+    if kind != "nixl":
+        return [p, d, kvferry_proxy(f"{kind}-front", p, d)]
+    front = free_port()
+    return [p, d, ServerGroup(f"{kind}-front", router_argv(router_exe(), front, kind, p.url, d.url, bootstrap), front)]
 
 
 SYSTEMS = {"colocated": "colocated vllm serve", "kvferry": "P/D, KVFerryConnector (kvferry proxy)",
@@ -204,11 +183,7 @@ SYSTEMS = {"colocated": "colocated vllm serve", "kvferry": "P/D, KVFerryConnecto
 
 def _measure(kind: str, vllm: str, model: str, plan: Plan,
              reference: dict[tuple[int, int], Answer] | None) -> tuple[Run | None, list[dict[str, Any]]]:
-    if kind == "colocated":
-        port = free_port()
-        groups = [ServerGroup("colocated", [vllm, "serve", model, "--port", str(port), *COMMON], port)]
-    else:
-        groups = _pd(kind, vllm, model)
+    groups = [vllm_server("colocated", vllm, model)] if kind == "colocated" else _pd(kind, vllm, model)
     d, front = groups[min(1, len(groups) - 1)], groups[-1]  # colocated: one server is both
     try:
         for group in groups:

@@ -4,16 +4,20 @@ how they run here, their process groups, their /metrics, and where the vllm-serv
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 import kvferry
+from kvferry.bench.vllm.client import answer_text, complete
 from kvferry.harness.metrics_text import parse_samples
 from kvferry.harness.processes import HARNESS_SECRET, Supervised, free_port
 
@@ -137,3 +141,68 @@ def nixl_env(side_channel_host: str, device: str, tcp_ports: str) -> dict[str, s
     its TCP listeners in a port range."""
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": side_channel_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             "UCX_NET_DEVICES": device, "UCX_TCP_PORT_RANGE": tcp_ports}
+
+
+def kvferry_kv(role: str, policy: str | None = "fail", **extra: Any) -> dict[str, Any]:
+    """KVFerryConnector's kv-transfer-config; `extra` is its kv_connector_extra_config."""
+    config: dict[str, Any] = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
+                              "kv_role": role}
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return {**config, "kv_connector_extra_config": extra}
+
+
+def kv_config(kind: str, role: str, bootstrap: int, engine_id: str) -> str:
+    """The --kv-transfer-config of a kvferry, NIXL or Mooncake P (`kv_producer`) or D on one box."""
+    if kind == "nixl":
+        return json.dumps(NIXL_CONFIG)
+    if kind == "kvferry":
+        extra: dict[str, Any] = {"engine_id": engine_id, "bootstrap_port": bootstrap} if role == "kv_producer" else {}
+        return json.dumps(kvferry_kv(role, **extra))
+    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}})
+
+
+def vllm_server(name: str, vllm: str | Path, model: str, *args: str, env: dict[str, str] | None = None,
+                unset: tuple[str, ...] = ()) -> ServerGroup:
+    """`vllm serve` of `model` on a free loopback port with the lane's settings (COMMON) and `args`."""
+    port = free_port()
+    return ServerGroup(name, [str(vllm), "serve", model, "--port", str(port), *COMMON, *args], port, env, unset=unset)
+
+
+def pd_servers(name: str, kind: str, vllm: str, model: str, engine_id: str, p_args: tuple[str, ...] = (),
+               d_args: tuple[str, ...] = (), p_env: dict[str, str] | None = None) -> tuple[ServerGroup, ServerGroup, int]:
+    """P and D of one connector on loopback, and P's bootstrap port."""
+    bootstrap = free_port()
+    env_p: dict[str, str] = {}
+    env_d: dict[str, str] = {}
+    if kind == "mooncake":
+        env_p = env_d = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
+    elif kind == "nixl":
+        env_p, env_d = nixl_env(LOOPBACK, "lo", "21000-21499"), nixl_env(LOOPBACK, "lo", "21500-21999")
+    p = vllm_server(f"{name}-prefill", vllm, model, *p_args, "--kv-transfer-config",
+                    kv_config(kind, "kv_producer", bootstrap, engine_id), env={**env_p, **(p_env or {})})
+    d = vllm_server(f"{name}-decode", vllm, model, *d_args, "--kv-transfer-config",
+                    kv_config(kind, "kv_consumer", bootstrap, engine_id), env=env_d)
+    return p, d, bootstrap
+
+
+def kvferry_proxy(name: str, p: ServerGroup, d: ServerGroup) -> ServerGroup:
+    """`kvferry proxy` in front of P and D, without retries (every failure reaches the client)."""
+    port = free_port()
+    return ServerGroup(name, [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
+                              "--port", str(port)], port)
+
+
+def router_exe() -> str:
+    return shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+
+
+def colocated_answers(server: ServerGroup, model: str, prompts: list[str], max_tokens: int,
+                      timeout: float) -> list[str]:
+    """Each prompt's greedy answer from `server`, started for them and stopped after, alone on the box."""
+    try:
+        server.wait_healthy()
+        return [answer_text(complete(server.url, model, text, max_tokens, timeout)) for text in prompts]
+    finally:
+        server.stop()

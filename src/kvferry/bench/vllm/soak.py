@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import tempfile
 import threading
 import time
@@ -21,7 +20,14 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, vllm_exe
+from kvferry.bench.vllm.servers import (
+    colocated_answers,
+    export_model,
+    kvferry_kv,
+    kvferry_proxy,
+    vllm_exe,
+    vllm_server,
+)
 from kvferry.bench.vllm.soak_watch import STALL_S, Watchdog, metrics_of, write_sitecustomize
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
@@ -36,17 +42,6 @@ DEFAULT_FAULTS = "transport=0.03,error_reply=0.03,drop_reply=0.03,p_not_ready=0.
 # "KV load for ... failed" line can come twice for one request: a release-only pull after an error reply)
 _FAILED = re.compile(r'kvferry_kv_load_failed \{.*"cause": "(\w+)"')
 _ERROR = re.compile(r'"(?:message|detail|error)":\s*"([^"]{0,80})')
-
-
-def _kv(role: str, faults: str, **extra: Any) -> str:
-    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                       "kv_role": role, "kv_load_failure_policy": "fail",
-                       "kv_connector_extra_config": {"faults": faults, **extra}})
-
-
-def _server(name: str, vllm: Path, model: str, env: dict[str, str], *args: str) -> ServerGroup:
-    port = free_port()
-    return ServerGroup(name, [str(vllm), "serve", model, "--port", str(port), *COMMON, *args], port, env=env)
 
 
 def _error_kind(r: httpx.Response) -> str:
@@ -142,18 +137,13 @@ def run(json_path: str | None, minutes: float, quick: bool = False) -> list[dict
         site = write_sitecustomize(Path(tmp) / "site")
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
         model = export_model("smollm2", tmp)
-        colocated = _server("colocated", vllm, model, env)
-        try:
-            colocated.wait_healthy()
-            refs = [answer_text(complete(colocated.url, model, t, MAX_TOKENS, ANSWER_TIMEOUT_S)) for t in refs_prompts]
-        finally:
-            colocated.stop()
-        p = _server("prefill", vllm, model, env, "--kv-transfer-config",
-                    _kv("kv_producer", faults, engine_id="bench-soak-p", bootstrap_port=free_port()))
-        d = _server("decode", vllm, model, env, "--kv-transfer-config", _kv("kv_consumer", faults))
-        proxy_port = free_port()
-        proxy = ServerGroup("proxy", [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
-                                      "--port", str(proxy_port)], proxy_port)
+        refs = colocated_answers(vllm_server("colocated", vllm, model, env=env), model, refs_prompts, MAX_TOKENS,
+                                 ANSWER_TIMEOUT_S)
+        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(
+            kvferry_kv("kv_producer", faults=faults, engine_id="bench-soak-p", bootstrap_port=free_port())), env=env)
+        d = vllm_server("decode", vllm, model, "--kv-transfer-config",
+                        json.dumps(kvferry_kv("kv_consumer", faults=faults)), env=env)
+        proxy = kvferry_proxy("proxy", p, d)
         dog = Watchdog(p, d, proxy, model, evidence)
         try:
             for group in (p, d, proxy):

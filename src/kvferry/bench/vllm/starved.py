@@ -22,7 +22,15 @@ import httpx
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
 from kvferry.bench.vllm.runqueue import RunQueueWatch
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, vllm_exe
+from kvferry.bench.vllm.servers import (
+    ServerGroup,
+    colocated_answers,
+    export_model,
+    kvferry_kv,
+    kvferry_proxy,
+    vllm_exe,
+    vllm_server,
+)
 from kvferry.connector.decode.dealer import ALIVE_BUT_SILENT
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
@@ -48,16 +56,6 @@ def _deadline_kinds(reasons: list[str]) -> str:
     """`deadline`s split: P alive but its control loop silent past the ceiling, or D's whole-load deadline."""
     kinds = Counter("P alive, silent" if ALIVE_BUT_SILENT in m else "load deadline" for m in reasons)
     return ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-"
-
-
-def _server(name: str, vllm: str, model: str, *args: str) -> ServerGroup:
-    port = free_port()
-    return ServerGroup(name, [vllm, "serve", model, "--port", str(port), *COMMON, *args], port, unset=DEFAULTS_ENV)
-
-
-def _kv(role: str, **extra: Any) -> str:
-    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                       "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
 
 
 def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str], p: ServerGroup,
@@ -105,21 +103,15 @@ def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str,
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-hogs-") as tmp:
         model = export_model("smollm2", tmp)
-        colocated = _server("colocated", str(vllm), model)
-        try:
-            colocated.wait_healthy()
-            refs = [answer_text(complete(colocated.url, model, text, MAX_TOKENS, ANSWER_TIMEOUT_S)) for text in prompts]
-        finally:
-            colocated.stop()
-        bootstrap = free_port()
-        p = _server("prefill", str(vllm), model, "--kv-transfer-config",
-                    _kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=bootstrap))
+        refs = colocated_answers(vllm_server("colocated", vllm, model, unset=DEFAULTS_ENV), model, prompts,
+                                 MAX_TOKENS, ANSWER_TIMEOUT_S)
+        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(
+            kvferry_kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=free_port())), unset=DEFAULTS_ENV)
         ceiling = os.environ.get("KVFERRY_BENCH_CEILING")
-        d = _server("decode", str(vllm), model, "--kv-transfer-config",
-                    _kv("kv_consumer", **({"heartbeat_ceiling_s": float(ceiling)} if ceiling else {})))
-        proxy_port = free_port()
-        proxy = ServerGroup("proxy", [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
-                                      "--port", str(proxy_port)], proxy_port)
+        extra: dict[str, Any] = {"heartbeat_ceiling_s": float(ceiling)} if ceiling else {}
+        d = vllm_server("decode", vllm, model, "--kv-transfer-config", json.dumps(kvferry_kv("kv_consumer", **extra)),
+                        unset=DEFAULTS_ENV)
+        proxy = kvferry_proxy("proxy", p, d)
         spinning: list[subprocess.Popen[bytes]] = []
         try:
             for group in (p, d, proxy):
