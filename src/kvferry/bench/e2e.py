@@ -22,8 +22,7 @@ from kvferry.harness.system import PDSystem, PDSystemConfig
 
 OUTPUT_TOKENS = 16
 SEED = 0
-# Enough for one 8k prompt + output on each instance (16-token blocks), with room to spare.
-NUM_BLOCKS = 1024
+NUM_BLOCKS = 1024  # one 8k prompt + output on each instance, with room to spare
 BLOCK_SIZE = 16
 REQUEST_TIMEOUT_S = 120.0
 # (prompt tokens, repetitions) per mode; 8k prefills take seconds on one core, so few of them.
@@ -37,8 +36,6 @@ _BYTES = "kvferry_kv_transfer_bytes_total"
 
 @dataclass
 class Measured:
-    """One streamed completion."""
-
     ttft_s: float
     itl_s: list[float]  # one value per output token after the first
     text: str
@@ -55,7 +52,6 @@ class Series:
 
 
 def prompts(length: int, count: int, seed: int = SEED) -> list[list[int]]:
-    """`count` prompts of `length` byte tokens, deterministic in (length, count, seed)."""
     rng = random.Random(f"kvferry-e2e-{seed}-{length}")
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
@@ -67,15 +63,14 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
     with client.stream("POST", f"{url}/v1/completions", json=stream_body(prompt, max_tokens)) as response:
         first = time.perf_counter()
         if response.status_code != 200:
-            raise RuntimeError(
-                f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
+            body = response.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {body}")
         stream.read(response.iter_lines())
     if stream.error_event is not None:
         raise RuntimeError(f"{url}: error in stream: {stream.error_event['error']}")
     if not stream.done:
         raise RuntimeError(f"{url}: stream ended without [DONE]")
     tokens = stream.token_times[-1][1] if stream.token_times else 0
-    # The response headers leave with the first token.
     return Measured(first - sent, spread_itl(first, stream.token_times), stream.text, tokens)
 
 
@@ -91,20 +86,12 @@ def _transfer_delta(before: MetricSnapshot, after: MetricSnapshot, where: str) -
 
 
 def _row(mode: str, length: int, reps: int, s: Series) -> dict[str, Any]:
-    return {
-        "mode": mode,
-        "prompt_tokens": length,
-        "reps": reps,
-        "ttft_p50_ms": ms(percentile(s.ttft_s, 50)),
-        "ttft_p99_ms": ms(percentile(s.ttft_s, 99)),
-        "itl_p50_ms": ms(percentile(s.itl_s, 50)),
-        "itl_p99_ms": ms(percentile(s.itl_s, 99)),
-        "transfer_ms": ms(percentile(s.transfer_s, 50)),
-        "p_write_ms": ms(percentile(s.p_write_s, 50)),
-        "kv_mib": (percentile(s.kv_bytes, 50) or 0) / 2**20 if s.kv_bytes else None,
-        "transfer_share_of_ttft": None,
-        "x_ttft_vs_colocated": None,
-    }
+    return {"mode": mode, "prompt_tokens": length, "reps": reps, "ttft_p50_ms": ms(percentile(s.ttft_s, 50)),
+            "ttft_p99_ms": ms(percentile(s.ttft_s, 99)), "itl_p50_ms": ms(percentile(s.itl_s, 50)),
+            "itl_p99_ms": ms(percentile(s.itl_s, 99)), "transfer_ms": ms(percentile(s.transfer_s, 50)),
+            "p_write_ms": ms(percentile(s.p_write_s, 50)),
+            "kv_mib": (percentile(s.kv_bytes, 50) or 0) / 2**20 if s.kv_bytes else None,
+            "transfer_share_of_ttft": None, "x_ttft_vs_colocated": None}
 
 
 def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
@@ -125,10 +112,9 @@ def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
                 b = stream_completion(client, proxy_url, prompt, OUTPUT_TOKENS)
                 p_after, d_after = get_metrics(client, p_url), get_metrics(client, d_url)
                 if (a.text, a.completion_tokens) != (b.text, b.completion_tokens):
-                    raise RuntimeError(
-                        f"outputs differ for prompt {i} of {length} tokens: colocated "
-                        f"{a.completion_tokens} tokens {a.text!r}, disaggregated {b.completion_tokens} tokens {b.text!r}"
-                    )
+                    raise RuntimeError(f"outputs differ for prompt {i} of {length} tokens: colocated "
+                                       f"{a.completion_tokens} tokens {a.text!r}, disaggregated "
+                                       f"{b.completion_tokens} tokens {b.text!r}")
                 if a.completion_tokens != OUTPUT_TOKENS:
                     raise RuntimeError(f"expected {OUTPUT_TOKENS} output tokens, got {a.completion_tokens}")
                 colocated.ttft_s.append(a.ttft_s)
@@ -138,10 +124,8 @@ def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
                 disaggregated.transfer_s.append(_transfer_delta(d_before, d_after, "D"))
                 disaggregated.p_write_s.append(_transfer_delta(p_before, p_after, "P"))
                 disaggregated.kv_bytes.append(_delta(d_before, d_after, _BYTES))
-            base, pd = (
-                _row("colocated", length, reps, colocated),
-                _row("disaggregated", length, reps, disaggregated),
-            )
+            base, pd = _row("colocated", length, reps, colocated), _row("disaggregated", length, reps,
+                                                                         disaggregated)
             if pd["ttft_p50_ms"] and pd["transfer_ms"] is not None:
                 pd["transfer_share_of_ttft"] = pd["transfer_ms"] / pd["ttft_p50_ms"]
             if pd["ttft_p50_ms"] and base["ttft_p50_ms"]:
@@ -152,18 +136,13 @@ def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
 
 def run(json_path: str | None = None, quick: bool = False, *,
         plan: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
-    """Measure, print the table (and write --json); `plan` ((prompt tokens, reps), ...) overrides the
-    default plan (tests use a tiny one)."""
+    """`plan` ((prompt tokens, reps), ...) overrides the default one (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
-    # D waits for P's prefill as long as the client does: an 8k prefill on a loaded box can take longer
-    # than any shorter deadline.
+    # D waits for P's prefill as long as the client does: an 8k prefill on a loaded box takes long.
     with PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                                  abort_timeout=10.0, kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True)) as pd:
         rows = measure(pd.colocated.url, pd.proxy.url, pd.prefill.url, pd.decode.url, plan)
         require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": pd.colocated.url}, 15)
-    report(
-        f"kvferry bench e2e: colocated vs disaggregated, {OUTPUT_TOKENS} output tokens, one request at a time",
-        rows,
-        json_path,
-    )
+    report(f"kvferry bench e2e: colocated vs disaggregated, {OUTPUT_TOKENS} output tokens, one request at a "
+           "time", rows, json_path)
     return rows

@@ -95,8 +95,8 @@ class Pair:
     def start_d(self, policy: str) -> Any:
         host = self.net["d"]
         if self.kind == "kvferry":
-            config = kvferry_kv("kv_consumer", policy, host=host.ip, prefill_allow=[self.net["p"].ip, self.net["p2"].ip],
-                                data_port=self.data_ports[policy])
+            config = kvferry_kv("kv_consumer", policy, host=host.ip, data_port=self.data_ports[policy],
+                                prefill_allow=[self.net["p"].ip, self.net["p2"].ip])
             env: dict[str, str] = {}
         else:
             config = {**self.nixl_config, "kv_load_failure_policy": policy}

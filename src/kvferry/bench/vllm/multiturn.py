@@ -173,8 +173,9 @@ def _pd(kind: str, vllm: str, model: str) -> list[ServerGroup]:
     p, d, bootstrap = pd_servers(kind, kind, vllm, model, "bench-multiturn-p")
     if kind != "nixl":
         return [p, d, kvferry_proxy(f"{kind}-front", p, d)]
-    front = free_port()
-    return [p, d, ServerGroup(f"{kind}-front", router_argv(router_exe(), front, kind, p.url, d.url, bootstrap), front)]
+    port = free_port()
+    argv = router_argv(router_exe(), port, kind, p.url, d.url, bootstrap)
+    return [p, d, ServerGroup(f"{kind}-front", argv, port)]
 
 
 SYSTEMS = {"colocated": "colocated vllm serve", "kvferry": "P/D, KVFerryConnector (kvferry proxy)",

@@ -145,8 +145,8 @@ def nixl_env(side_channel_host: str, device: str, tcp_ports: str) -> dict[str, s
 
 def kvferry_kv(role: str, policy: str | None = "fail", **extra: Any) -> dict[str, Any]:
     """KVFerryConnector's kv-transfer-config; `extra` is its kv_connector_extra_config."""
-    config: dict[str, Any] = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                              "kv_role": role}
+    config: dict[str, Any] = {"kv_connector": "KVFerryConnector",
+                              "kv_connector_module_path": "kvferry.integrations.vllm", "kv_role": role}
     if policy is not None:
         config["kv_load_failure_policy"] = policy
     return {**config, "kv_connector_extra_config": extra}
@@ -157,7 +157,8 @@ def kv_config(kind: str, role: str, bootstrap: int, engine_id: str) -> str:
     if kind == "nixl":
         return json.dumps(NIXL_CONFIG)
     if kind == "kvferry":
-        extra: dict[str, Any] = {"engine_id": engine_id, "bootstrap_port": bootstrap} if role == "kv_producer" else {}
+        producer = role == "kv_producer"
+        extra: dict[str, Any] = {"engine_id": engine_id, "bootstrap_port": bootstrap} if producer else {}
         return json.dumps(kvferry_kv(role, **extra))
     return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_load_failure_policy": "fail",
                        "kv_connector_extra_config": {"mooncake_protocol": "tcp"}})
@@ -167,11 +168,13 @@ def vllm_server(name: str, vllm: str | Path, model: str, *args: str, env: dict[s
                 unset: tuple[str, ...] = ()) -> ServerGroup:
     """`vllm serve` of `model` on a free loopback port with the lane's settings (COMMON) and `args`."""
     port = free_port()
-    return ServerGroup(name, [str(vllm), "serve", model, "--port", str(port), *COMMON, *args], port, env, unset=unset)
+    argv = [str(vllm), "serve", model, "--port", str(port), *COMMON, *args]
+    return ServerGroup(name, argv, port, env, unset=unset)
 
 
 def pd_servers(name: str, kind: str, vllm: str, model: str, engine_id: str, p_args: tuple[str, ...] = (),
-               d_args: tuple[str, ...] = (), p_env: dict[str, str] | None = None) -> tuple[ServerGroup, ServerGroup, int]:
+               d_args: tuple[str, ...] = (), p_env: dict[str, str] | None = None,
+               ) -> tuple[ServerGroup, ServerGroup, int]:
     """P and D of one connector on loopback, and P's bootstrap port."""
     bootstrap = free_port()
     env_p: dict[str, str] = {}

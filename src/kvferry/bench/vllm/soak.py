@@ -137,10 +137,10 @@ def run(json_path: str | None, minutes: float, quick: bool = False) -> list[dict
         site = write_sitecustomize(Path(tmp) / "site")
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
         model = export_model("smollm2", tmp)
-        refs = colocated_answers(vllm_server("colocated", vllm, model, env=env), model, refs_prompts, MAX_TOKENS,
-                                 ANSWER_TIMEOUT_S)
-        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(
-            kvferry_kv("kv_producer", faults=faults, engine_id="bench-soak-p", bootstrap_port=free_port())), env=env)
+        colocated = vllm_server("colocated", vllm, model, env=env)
+        refs = colocated_answers(colocated, model, refs_prompts, MAX_TOKENS, ANSWER_TIMEOUT_S)
+        p_kv = kvferry_kv("kv_producer", faults=faults, engine_id="bench-soak-p", bootstrap_port=free_port())
+        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(p_kv), env=env)
         d = vllm_server("decode", vllm, model, "--kv-transfer-config",
                         json.dumps(kvferry_kv("kv_consumer", faults=faults)), env=env)
         proxy = kvferry_proxy("proxy", p, d)

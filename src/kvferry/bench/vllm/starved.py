@@ -105,12 +105,12 @@ def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str,
         model = export_model("smollm2", tmp)
         refs = colocated_answers(vllm_server("colocated", vllm, model, unset=DEFAULTS_ENV), model, prompts,
                                  MAX_TOKENS, ANSWER_TIMEOUT_S)
-        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(
-            kvferry_kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=free_port())), unset=DEFAULTS_ENV)
+        p_kv = kvferry_kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=free_port())
+        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(p_kv), unset=DEFAULTS_ENV)
         ceiling = os.environ.get("KVFERRY_BENCH_CEILING")
         extra: dict[str, Any] = {"heartbeat_ceiling_s": float(ceiling)} if ceiling else {}
-        d = vllm_server("decode", vllm, model, "--kv-transfer-config", json.dumps(kvferry_kv("kv_consumer", **extra)),
-                        unset=DEFAULTS_ENV)
+        d_kv = kvferry_kv("kv_consumer", **extra)
+        d = vllm_server("decode", vllm, model, "--kv-transfer-config", json.dumps(d_kv), unset=DEFAULTS_ENV)
         proxy = kvferry_proxy("proxy", p, d)
         spinning: list[subprocess.Popen[bytes]] = []
         try:
