@@ -23,7 +23,7 @@ from rich.text import Text
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
 from kvferry.harness.client import RequestResult, run_workload
 from kvferry.harness.progress import show_progress
-from kvferry.harness.sampler import wait_drained
+from kvferry.harness.sampler import blocks_held, wait_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig
 from kvferry.harness.trial import against_reference, trial, workload
 
@@ -172,37 +172,20 @@ def run(args: argparse.Namespace) -> int:
                 chaos.halt.set()
     events = chaos.events if chaos is not None else []
     verdict = judge(results, t.ref.results, spec, args.policy, events)
-    leaked = {
-        side: (None if s is None else int(s["blocks_total"] - s["blocks_free"]))
-        for side, s in zip(("P", "D"), states, strict=True)
-    }
+    leaked = {side: None if s is None else blocks_held(s) for side, s in zip(("P", "D"), states, strict=True)}
     report: dict[str, Any] = {
-        "requests": args.requests,
-        "policy": args.policy,
-        "faults": spec.to_spec(),
-        "outcomes": dict(verdict.outcomes),
-        "failed_by_cause": dict(verdict.failed_by_cause),
+        "requests": args.requests, "policy": args.policy, "faults": spec.to_spec(),
+        "outcomes": dict(verdict.outcomes), "failed_by_cause": dict(verdict.failed_by_cause),
         "predicted_faults": dict(Counter(spec.fault_for(r.transfer_id) or "none" for r in results if r.transfer_id)),
-        "p_chaos_events": [e.__dict__ for e in events],
-        "hit_by_p_chaos": verdict.hit_by_chaos,
-        "stuck": verdict.outcomes.get("stuck", 0),
-        "leaked_blocks": leaked,
-        "mismatched": len(verdict.mismatched),
-        "unchecked_outputs": len(verdict.unverified),
+        "p_chaos_events": [e.__dict__ for e in events], "hit_by_p_chaos": verdict.hit_by_chaos,
+        "stuck": verdict.outcomes.get("stuck", 0), "leaked_blocks": leaked,
+        "mismatched": len(verdict.mismatched), "unchecked_outputs": len(verdict.unverified),
         "errors": dict(Counter(f"{r.http_status} {r.error_message or ''}"[:120] for r in results if r.outcome == "error")),
-        "unexpected": verdict.unexpected[:50],
-        "num_unexpected": len(verdict.unexpected),
+        "unexpected": verdict.unexpected[:50], "num_unexpected": len(verdict.unexpected),
         "chaos_error": chaos.error if chaos is not None else None,
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    ok = (
-        report["stuck"] == 0
-        and all(v == 0 for v in leaked.values())
-        and not verdict.mismatched
-        and not verdict.unverified
-        and not verdict.unexpected
-        and report["chaos_error"] is None
-    )
+        "wall_s": round(time.monotonic() - started, 1)}
+    ok = (report["stuck"] == 0 and all(v == 0 for v in leaked.values()) and not verdict.mismatched
+          and not verdict.unverified and not verdict.unexpected and report["chaos_error"] is None)
     report["verdict"] = "PASS" if ok else "FAIL"
     _print(console, report)
     if args.json_path:

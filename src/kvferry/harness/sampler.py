@@ -22,11 +22,7 @@ class MetricSnapshot:
 
     def value(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-        return sum(
-            v
-            for lab, v in self.samples.get(name, [])
-            if all(lab.get(k) == want for k, want in labels.items())
-        )
+        return sum(v for got, v in self.samples.get(name, []) if labels.items() <= got.items())
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -58,8 +54,7 @@ async def fetch_metrics(client: httpx.AsyncClient, url: str) -> MetricSnapshot:
 async def fetch_state(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
     response = await client.get(f"{url}/debug/state", timeout=10.0)
     response.raise_for_status()
-    state: dict[str, Any] = response.json()
-    return state
+    return dict(response.json())
 
 
 def wait_drained(urls: Sequence[str], timeout: float) -> list[dict[str, Any] | None]:
@@ -79,13 +74,14 @@ def wait_drained(urls: Sequence[str], timeout: float) -> list[dict[str, Any] | N
 
 
 def is_drained(state: dict[str, Any]) -> bool:
-    return bool(
-        not state.get("stale")  # a stale state predates the step in progress
-        and state.get("blocks_free") == state.get("blocks_total")
-        and not state.get("pending_pulls")
-        and not state.get("pending_sends")
-        and not state.get("requests_by_status")
-    )
+    return bool(not state.get("stale")  # a stale state predates the step in progress
+                and state.get("blocks_free") == state.get("blocks_total") and not state.get("pending_pulls")
+                and not state.get("pending_sends") and not state.get("requests_by_status"))
+
+
+def blocks_held(state: dict[str, Any]) -> int:
+    """KV blocks an instance holds, from its /debug/state."""
+    return int(state["blocks_total"]) - int(state["blocks_free"])
 
 
 class SystemSampler:
