@@ -94,14 +94,9 @@ class PeerProcess:
     def __init__(self, size: int, region: str = "dst", env: dict[str, str] | None = None,
                  transfer: str = "tcp") -> None:
         self.region = region
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.harness.peer", "--size", str(size), "--region", region,
-             "--transfer", transfer],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        argv = [sys.executable, "-m", "kvferry.harness.peer", "--size", str(size), "--region", region,
+                "--transfer", transfer]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.pid = self.proc.pid
         try:
             hello = self._read()
