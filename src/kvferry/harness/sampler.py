@@ -85,15 +85,11 @@ def blocks_held(state: dict[str, Any]) -> int:
 
 
 class SystemSampler:
-    """Polls /metrics and /debug/state of each instance, each on its own loop, every `interval` seconds.
-
-    `metrics[name]` and `states[name]` are lists of (seconds since `t0`, value) of the answers that came
-    back; a loop waiting on a busy engine (/debug/state runs on the engine thread) delays only itself."""
+    """Polls /metrics and /debug/state of each instance every `interval` s, into (seconds since `t0`, value)
+    series; each on its own loop, so one waiting on a busy engine (/debug/state runs there) delays only itself."""
 
     def __init__(self, urls: dict[str, str], t0: float, interval: float = 0.25) -> None:
-        self.urls = dict(urls)
-        self.t0 = t0
-        self.interval = interval
+        self.urls, self.t0, self.interval = dict(urls), t0, interval
         self.metrics: dict[str, list[tuple[float, MetricSnapshot]]] = {name: [] for name in urls}
         self.states: dict[str, list[tuple[float, dict[str, Any]]]] = {name: [] for name in urls}
 

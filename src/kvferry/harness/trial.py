@@ -23,8 +23,8 @@ _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 def workload(model: str, requests: int, seed: int, max_tokens: tuple[int, int], **byte_prompts: Any) -> list[WorkItem]:
-    """Chat questions for a real model; for `tiny`, byte prompts shaped by `byte_prompts` (make_workload's
-    max_prompt, long_share). A model that does not load raises ModelLoadError (a ValueError)."""
+    """Chat questions for a real model; for `tiny`, byte prompts (`byte_prompts`: make_workload's options).
+    Raises ModelLoadError (a ValueError) for a model that does not load."""
     if model == "tiny":
         return make_workload(requests, seed, max_tokens=max_tokens, **byte_prompts)
     return chat_workload(load_codec(model), requests, seed, max_tokens)
