@@ -86,7 +86,7 @@ def blocks_held(state: dict[str, Any]) -> int:
 
 class SystemSampler:
     """Polls /metrics and /debug/state of each instance every `interval` s into (seconds since `t0`, value)
-    series, each on its own loop: one waiting on a busy engine (/debug/state runs there) delays only itself."""
+    series, each on its own loop: one waiting on a busy engine (/debug/state runs there) delays only it."""
 
     def __init__(self, urls: dict[str, str], t0: float, interval: float = 0.25) -> None:
         self.urls, self.t0, self.interval = dict(urls), t0, interval
