@@ -62,12 +62,6 @@ class Matrix:
         except httpx.HTTPError as exc:
             return type(exc).__name__
 
-    def _answers_health(self, server: Any) -> bool:
-        try:
-            return httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     def _ask_d(self, policy: str, text: str, params: dict[str, Any]) -> Future[tuple[Any, float, int]]:
         """D's answer to the request P prefilled; a KV-load failure (`retryable`) gets a new prefill and a
         new D request, up to `retries` times, on the P that `next_prefill` picks (the same rule for both
@@ -77,7 +71,7 @@ class Matrix:
             r, tries, backoffs, last = self._decode(policy, text, params), 1, 0, 0
             while tries <= self.retries and not isinstance(r, str) and retryable(r.status_code, _json(r)):
                 prefills = self.pair.prefills()
-                last, backoff = next_prefill(last, [self._answers_health(p) for p in prefills])
+                last, backoff = next_prefill(last, [p.healthy(timeout=1.0) for p in prefills])
                 if backoff:
                     backoffs += 1
                     time.sleep(retry_backoff_s(backoffs))
@@ -185,35 +179,22 @@ class Matrix:
         the D's one after the other, `each` run before each (the corrupt cell arms its rule per D)."""
         prompts = self._prompts()
         refs = self._references(prompts)
-        if each is not None:
-            cells = []
-            for policy in POLICIES:
-                params = {policy: prefill(self.pair.p.url, self.model, prompts[policy])}
-                before = self._before()
-                each()
-                watch = self._watch(time.monotonic(), set(dead))
-                t_ref = {policy: time.monotonic()}
-                got = self._cells(fault, refs, {policy: self._ask_d(policy, prompts[policy], params[policy])},
-                                  before, t_ref, set(dead), watch)
-                for cell in got:  # the note after the answer: the rule's counter
-                    cell.note = note() if note is not None else ""
-                cells += got
-            return cells
-        params = {policy: prefill(self.pair.p.url, self.model, text) for policy, text in prompts.items()}
-        before = self._before()
-        if between is not None:
-            between()
-        t_ref, futures = {}, {}
-        watch = self._watch(time.monotonic(), set(dead))
-        for policy in POLICIES:
-            t_ref[policy] = time.monotonic()
-            futures[policy] = self._ask_d(policy, prompts[policy], params[policy])
-        cells = self._cells(fault, refs, futures, before, t_ref, set(dead), watch)
-        if note is not None:
-            for cell in cells:
-                cell.note = note()
+        cells: list[Cell] = []
+        for group in ([[policy] for policy in POLICIES] if each is not None else [list(POLICIES)]):
+            params = {policy: prefill(self.pair.p.url, self.model, prompts[policy]) for policy in group}
+            before = self._before()
+            if (act := each or between) is not None:
+                act()
+            watch = self._watch(time.monotonic(), set(dead))
+            t_ref, futures = {}, {}
+            for policy in group:
+                t_ref[policy] = time.monotonic()
+                futures[policy] = self._ask_d(policy, prompts[policy], params[policy])
+            got = self._cells(fault, refs, futures, before, t_ref, set(dead), watch)
+            for cell in got:  # the note after the answer (the corrupt cell's: the rule's counter)
+                cell.note = note() if note is not None else ""
+            cells += got
         return cells
-
 
 
 def _json(r: httpx.Response) -> Any:

@@ -110,9 +110,8 @@ class ServerGroup(Supervised):
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}: {self.last_error()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
+            if self.healthy(timeout=2):
+                return
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s: {self.last_error()}")
 
@@ -126,6 +125,13 @@ class ServerGroup(Supervised):
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Its /health answers 200 within `timeout`."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def metrics(self, timeout: float = 5.0) -> dict[str, float]:
         """vLLM's /metrics: series (`name{labels}`) → value."""

@@ -103,13 +103,6 @@ def metrics_of(server: ServerGroup) -> dict[str, float]:
     return {k: v for k, v in every.items() if k.startswith(METRICS)}
 
 
-def healthy(server: ServerGroup) -> bool:
-    try:
-        return httpx.get(f"{server.url}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 class Watchdog:
     """Checks the client's in-flight requests every CHECK_EVERY_S; see the module's docstring."""
 
@@ -150,7 +143,7 @@ class Watchdog:
                     r.flagged = True
             if not late:
                 continue
-            up = {s.name: healthy(s) for s in (self.p, self.d)}
+            up = {s.name: s.healthy() for s in (self.p, self.d)}
             if not all(up.values()):
                 self.unhealthy += [f"#{r.number} ({', '.join(n for n, ok in up.items() if not ok)} unhealthy)"
                                    for r in late]
