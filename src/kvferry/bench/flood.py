@@ -77,10 +77,7 @@ class Phase:
 
 
 def ratio(flooded: float | None, quiet: float | None) -> float | None:
-    """flooded / quiet, None when either is missing or quiet is not positive."""
-    if flooded is None or quiet is None or quiet <= 0:
-        return None
-    return flooded / quiet
+    return None if flooded is None or quiet is None or quiet <= 0 else flooded / quiet
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -88,25 +85,17 @@ def _ms(seconds: float | None) -> int | None:
 
 
 def flood_row(flood: Flood, quiet: Phase, flooded: Phase, fds: tuple[int, int], drops: int) -> dict[str, Any]:
-    """One row of the table: the flood phase next to its quiet phase."""
     p99, quiet_p99 = percentile(flooded.ttft_s, 99), percentile(quiet.ttft_s, 99)
     r = ratio(p99, quiet_p99)
     met = flooded.total > 0 and flooded.ok >= GOAL_OK * flooded.total and r is not None and r <= GOAL_RATIO
-    return {
-        "flood": flood.name,
-        "ok": f"{flooded.ok}/{flooded.total}",
-        "ttft_p50_ms": _ms(percentile(flooded.ttft_s, 50)),
-        "ttft_p99_ms": _ms(p99),
-        "quiet_ttft_p50_ms": _ms(percentile(quiet.ttft_s, 50)),
-        "quiet_ttft_p99_ms": _ms(quiet_p99),
-        "p99_ratio": None if r is None else round(r, 2),
-        "latency_p99_ms": _ms(percentile(flooded.latency_s, 99)),
-        "quiet_latency_p99_ms": _ms(percentile(quiet.latency_s, 99)),
-        "fds": f"{fds[0]} -> {fds[1]}",
-        "drops": drops,
-        "goal": "met" if met else "missed",
-        "first_failure": flooded.first_failure or quiet.first_failure,
-    }
+    return {"flood": flood.name, "ok": f"{flooded.ok}/{flooded.total}",
+            "ttft_p50_ms": _ms(percentile(flooded.ttft_s, 50)), "ttft_p99_ms": _ms(p99),
+            "quiet_ttft_p50_ms": _ms(percentile(quiet.ttft_s, 50)), "quiet_ttft_p99_ms": _ms(quiet_p99),
+            "p99_ratio": None if r is None else round(r, 2),
+            "latency_p99_ms": _ms(percentile(flooded.latency_s, 99)),
+            "quiet_latency_p99_ms": _ms(percentile(quiet.latency_s, 99)), "fds": f"{fds[0]} -> {fds[1]}",
+            "drops": drops, "goal": "met" if met else "missed",
+            "first_failure": flooded.first_failure or quiet.first_failure}
 
 
 # Where a request's time goes, from the instances' own histograms: (column, instance, metric).
@@ -155,8 +144,7 @@ def cost_row(flood: Flood, phase: str, usage: Usage) -> dict[str, Any]:
 
 
 def _sched_s(pid: int) -> tuple[float, float]:
-    """(on a CPU, waiting in a run queue) in seconds. CPU: the whole process, threads that exited included
-    (utime + stime); the wait: the kernel keeps it per thread only, so live threads' schedstat."""
+    """(on a CPU, waiting in a run queue) in seconds; the kernel keeps the wait per live thread only."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     wait = 0
@@ -186,7 +174,6 @@ def _snapshot(system: PDSystem, pids: dict[str, int]) -> dict[str, float]:
 
 
 def workload(n: int) -> list[WorkItem]:
-    """n distinct prompts of PROMPT_TOKENS byte tokens (6 blocks), deterministic."""
     return [WorkItem(i, [(7 * i + 13 * k) % 251 + 1 for k in range(PROMPT_TOKENS)], MAX_TOKENS) for i in range(n)]
 
 
@@ -218,8 +205,7 @@ class _FdPeak:
 
 @contextmanager
 def stranger(flood: Flood, target: str, counts: list[int]) -> Iterator[int]:
-    """The flood running, in place (the stranger said `ready`); on exit stopped, and the connections D
-    closed on it (its `dropped N`) appended to `counts`."""
+    """The flood, once in place; on exit stopped, and the connections D closed on it appended to `counts`."""
     proc = Supervised(f"stranger-{flood.mode}", [sys.executable, "-m", "kvferry.harness.stranger", flood.mode,
                                                   target, *flood.args, "--seconds", "900"])
     try:
@@ -249,7 +235,7 @@ def _send(url: str, items: Sequence[WorkItem]) -> list[RequestResult]:
 
 
 def _settle(pid: int, base: int) -> None:
-    """Wait (bounded) until the flooded process is back near its descriptors: the next phase is quiet."""
+    """Until the flooded process is back near its descriptors: the next phase is quiet."""
     deadline = time.monotonic() + SETTLE_S
     while _fds(pid) > base + 8:
         if time.monotonic() > deadline:
@@ -294,7 +280,6 @@ def measure(system: PDSystem, flood: Flood, items: Sequence[WorkItem],
 
 
 def run(json_path: str | None = None, quick: bool = False, requests: int | None = None) -> list[dict[str, Any]]:
-    """`requests` per phase (quiet and flood each; default 100, --quick 20)."""
     n = requests or (20 if quick else 100)
     items = workload(n + n % 2)
     load0 = os.getloadavg()[0]
