@@ -58,8 +58,8 @@ class Series:
 
 @dataclass(frozen=True)
 class Sample:
-    """One request: the client's TTFT, and from the instances' /metrics deltas: the serving instance's own
-    TTFT (P's, for P/D), D's transfer seconds, P's partial writes, the KV bytes D received."""
+    """One request: the client's TTFT, and /metrics deltas: the serving instance's own TTFT (P's for P/D),
+    D's transfer seconds, P's partial writes, the KV bytes D received."""
 
     ttft: float
     own_ttft: float
@@ -125,13 +125,12 @@ def _row(link: str, length: int, reps: int, s: Series) -> dict[str, Any]:
     ms = {name: 1000.0 * (percentile(values, 50) or 0.0) for name, values in (
         ("colocated", s.colocated), ("on", s.on), ("off", s.off), ("prefill", s.prefill), ("transfer", s.transfer),
         ("over_on", s.over_on), ("over_off", s.over_off))}
-    return {
-        "link": link, "prompt_tokens": length, "reps": reps,
-        "ttft_colocated_ms": ms["colocated"], "ttft_progressive_ms": ms["on"], "ttft_after_prefill_ms": ms["off"],
-        "prefill_ms": ms["prefill"], "transfer_ms": ms["transfer"], "over_on_ms": ms["over_on"],
-        "over_off_ms": ms["over_off"], "over_on_vs_transfer": ms["over_on"] / ms["transfer"] if ms["transfer"] else None,
-        "parts": percentile(s.parts, 50), "kv_mib": (percentile(s.kv_bytes, 50) or 0.0) / 2**20,
-    }
+    return {"link": link, "prompt_tokens": length, "reps": reps,
+            "ttft_colocated_ms": ms["colocated"], "ttft_progressive_ms": ms["on"],
+            "ttft_after_prefill_ms": ms["off"], "prefill_ms": ms["prefill"], "transfer_ms": ms["transfer"],
+            "over_on_ms": ms["over_on"], "over_off_ms": ms["over_off"],
+            "over_on_vs_transfer": ms["over_on"] / ms["transfer"] if ms["transfer"] else None,
+            "parts": percentile(s.parts, 50), "kv_mib": (percentile(s.kv_bytes, 50) or 0.0) / 2**20}
 
 
 @contextlib.contextmanager
@@ -160,8 +159,8 @@ def _shaped_rate(rows: Sequence[dict[str, Any]]) -> int:
 
 def run(json_path: str | None = None, quick: bool = False, model: str = "smollm2", *,
         plan: Sequence[tuple[int, int]] | None = None, shaped: bool | None = None) -> list[dict[str, Any]]:
-    """Loopback, then (unless `shaped` is False, or the box cannot: no root) the shaped link; `plan`
-    overrides the loopback plan (tests use a tiny one)."""
+    """Loopback, then (unless `shaped` is False or there is no root) the shaped link; `plan` overrides the
+    loopback plan (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
     with _systems(model) as systems:
         rows = measure(systems, plan, "loopback")
@@ -173,8 +172,7 @@ def run(json_path: str | None = None, quick: bool = False, model: str = "smollm2
         try:
             link.cap(rate)
             with _systems(model, link) as systems:
-                for row in measure(systems, SHAPED_PLAN, f"tbf {rate * 8 / 1e6:.0f} Mbit/s"):
-                    rows.append(row)
+                rows += measure(systems, SHAPED_PLAN, f"tbf {rate * 8 / 1e6:.0f} Mbit/s")
         finally:
             link.close()
     report(f"kvferry bench progressive ({model}): TTFT with progressive push, after the prefill, colocated",

@@ -53,7 +53,7 @@ def prompt_pool(count: int, seed: int = SEED) -> list[list[int]]:
 
 async def _poisson(url: str, items: Sequence[WorkItem], results: Sequence[RequestResult], t0: float,
                    concurrency: int, rate: float, seed: int) -> None:
-    """Open loop: request i is sent at the i-th arrival of a Poisson process (then waits for a slot)."""
+    """Request i is sent at the i-th arrival of a Poisson process (then waits for a slot)."""
     rng = random.Random(seed)
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
@@ -102,7 +102,6 @@ def _vllm_client(venv: Any, url: str, mode: str, concurrency: int, plan: ServePl
 
 
 def references(plan: ServePlan, pool: list[list[int]]) -> list[str]:
-    """Each prompt's answer from one sequence alone, prefilled in one call and decoded token by token."""
     from kvferry.engine.loader import load_model
 
     loaded = load_model(plan.model, SEED)
@@ -110,8 +109,6 @@ def references(plan: ServePlan, pool: list[list[int]]) -> list[str]:
 
 
 def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | None = None) -> list[dict[str, Any]]:
-    """Measure both modes at every concurrency, print the table (and --json); raises if an answer differs
-    from its one-at-a-time reference or a block leaks."""
     plan = plan or (QUICK if quick else ServePlan())
     pool = prompt_pool(plan.pool)
     # Every request of the widest level holds its prompt + output at once, with room to spare.
@@ -120,7 +117,7 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
                                  serve_args=("--model", plan.model), abort_timeout=REQUEST_TIMEOUT_S,
                                  kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True, health_timeout=180.0))
     rows: list[dict[str, Any]] = []
-    answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
+    answers: list[tuple[dict[str, Any], list[RequestResult]]] = []  # kvferry's
     vllm_answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
     scratch = vllm_load.workdir() if plan.vllm else None
     venv = vllm_load.vllm_venv() if plan.vllm else None
