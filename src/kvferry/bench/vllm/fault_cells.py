@@ -154,8 +154,8 @@ def summary(cell: Cell) -> str:
     """One cell as the table shows it: `200 = 3.1 s`, `500 peer_dead 0.4 s`, `200 WRONG 0.2 s`."""
     took = _fmt_s(cell.answer_s) if cell.answer_s is not None else "-"
     error = f"{cell.http} {','.join(sorted(cell.causes)) or (cell.error or '')[:40]}".rstrip()
-    head = {"identical": "200 =", "wrong": "200 WRONG TEXT", "error": error, "dropped": f"dropped ({cell.error})",
-            "none": "no answer"}[outcome(cell)]
+    head = {"identical": "200 =", "wrong": "200 WRONG TEXT", "error": error,
+            "dropped": f"dropped ({cell.error})", "none": "no answer"}[outcome(cell)]
     return f"{head} {took}" + (f" (try {cell.tries})" if cell.tries > 1 else "")
 
 
