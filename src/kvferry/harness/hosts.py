@@ -25,8 +25,8 @@ def _setns(fd: int) -> None:
 
 @contextlib.contextmanager
 def inside(ns: str) -> Iterator[None]:
-    """Run the calling thread in network namespace `ns` until the block ends: the sockets it opens
-    meanwhile (and those of threads it starts meanwhile) live there. Other threads are unaffected."""
+    """The calling thread in network namespace `ns` until the block ends: sockets it (or threads it starts)
+    opens meanwhile live there; other threads are unaffected."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
@@ -52,12 +52,10 @@ class Allow:
 
 
 def firewall_commands(allows: Sequence[Allow]) -> list[list[str]]:
-    """The iptables commands of one host, in order: loopback and answers to what the host dialed, each
-    opening, then the default DROP (last, so that a remote shell applying them keeps its session)."""
-    commands = [
-        ["iptables", "-A", "INPUT", "-i", "lo", "-j", "ACCEPT"],
-        ["iptables", "-A", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
-    ]
+    """The iptables commands of one host: loopback, answers to what it dialed, each opening, then the
+    default DROP (last, so that a remote shell applying them keeps its session)."""
+    commands = [["iptables", "-A", "INPUT", "-i", "lo", "-j", "ACCEPT"], ["iptables", "-A", "INPUT", "-m", "conntrack",
+                                                                         "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]]
     commands += [["iptables", "-A", "INPUT", "-p", "tcp", "-s", a.source, "--dport", str(a.port), "-j", "ACCEPT"]
                  for a in allows]
     commands.append(["iptables", "-P", "INPUT", "DROP"])
@@ -85,8 +83,8 @@ class Host(InNamespace):
 
 @dataclass
 class HostNetwork:
-    """Hosts on one bridge. `create` builds it; `close` deletes every namespace (and with them every
-    veth and the bridge), after killing any process still inside one of them (only ours can be)."""
+    """Hosts on one bridge; `close` deletes every namespace (with every veth and the bridge), after killing
+    any process still inside one (only ours can be)."""
 
     tag: str
     prefix_len: int

@@ -41,8 +41,7 @@ class InNamespace:
     ns: str
 
     @property
-    def prefix(self) -> list[str]:
-        """Command prefix that runs a program inside the namespace (`ip netns exec` keeps the pid)."""
+    def prefix(self) -> list[str]:  # `ip netns exec` keeps the pid
         return ["ip", "netns", "exec", self.ns]
 
     def exec(self, *cmd: str) -> None:
@@ -101,7 +100,6 @@ class VethLink(InNamespace):
              "latency", "500ms")
 
     def heal(self) -> None:
-        """Remove every fault: the link is clean again."""
         self.exec("iptables", "-F", "INPUT")
         self.exec("iptables", "-F", "OUTPUT")
         with contextlib.suppress(RuntimeError):
@@ -110,7 +108,7 @@ class VethLink(InNamespace):
             _run("tc", "qdisc", "del", "dev", self.outer, "root")
 
     def close(self) -> None:
-        """Delete the namespace (its veth end goes with it, and so does the host's); kill its processes first."""
+        """Delete the namespace and the host's veth end (either may be gone already)."""
         with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
             _run("ip", "netns", "del", self.ns)
         with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
