@@ -54,8 +54,10 @@ class Allow:
 def firewall_commands(allows: Sequence[Allow]) -> list[list[str]]:
     """The iptables commands of one host: loopback, answers to what it dialed, each opening, then the
     default DROP (last, so that a remote shell applying them keeps its session)."""
-    commands = [["iptables", "-A", "INPUT", "-i", "lo", "-j", "ACCEPT"], ["iptables", "-A", "INPUT", "-m", "conntrack",
-                                                                         "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]]
+    commands = [
+        ["iptables", "-A", "INPUT", "-i", "lo", "-j", "ACCEPT"],
+        ["iptables", "-A", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+    ]
     commands += [["iptables", "-A", "INPUT", "-p", "tcp", "-s", a.source, "--dport", str(a.port), "-j", "ACCEPT"]
                  for a in allows]
     commands.append(["iptables", "-P", "INPUT", "DROP"])
