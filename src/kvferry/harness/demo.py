@@ -65,7 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _drive(run: DemoRun, console: Console, live: bool) -> None:
-    """The run under the live view, and the sampler until the drain ends."""
     stop_sampling = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
         for side in ("p", "d"):  # the baseline of every metric delta
@@ -109,7 +108,6 @@ async def _phases(run: DemoRun, stop_sampling: asyncio.Event, sampling: asyncio.
 
 
 def _print_answers(console: Console, run: DemoRun, limit: int = 4) -> None:
-    """A few real answers, each marked with whether it equals the colocated reference."""
     shown = 0
     for item, result in zip(run.items, run.results, strict=True):
         if not item.question or result.outcome != "ok" or shown >= limit:
@@ -122,7 +120,6 @@ def _print_answers(console: Console, run: DemoRun, limit: int = 4) -> None:
         console.print(Text.assemble(("A ", "bold"), result.text.strip(), "  ", mark))
 
 
-# ---- entry point ------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
@@ -136,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens is None:
         args.max_tokens = (16, 32) if real else (8, 32)
     # A real model's prefill takes seconds on a loaded box: P must not give up on a pull that soon.
-    for name, real_default, tiny_default in (
-        ("abort_timeout", PDConfig.abort_timeout_s, 10.0), ("kv_load_deadline", PDConfig.kv_load_deadline_s, 20.0), ("request_timeout", 300.0, 90.0)
-    ):
+    for name, real_default, tiny_default in (("abort_timeout", PDConfig.abort_timeout_s, 10.0),
+                                             ("kv_load_deadline", PDConfig.kv_load_deadline_s, 20.0),
+                                             ("request_timeout", 300.0, 90.0)):
         if getattr(args, name) is None:
             setattr(args, name, real_default if real else tiny_default)
     if args.requests < 1 or args.concurrency < 1 or args.max_prompt < 1:

@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -62,8 +62,7 @@ def plan_from_env(quick: bool, env: dict[str, str] | None = None) -> Plan:
     turns = int(env.get("KVFERRY_BENCH_TURNS") or base.turns)
     if conversations < 1 or turns < 2:
         raise ValueError("KVFERRY_BENCH_CONVERSATIONS ≥ 1 and KVFERRY_BENCH_TURNS ≥ 2")
-    return Plan(conversations=conversations, turns=turns, first_words=base.first_words,
-                message_words=base.message_words, answer_tokens=base.answer_tokens, stagger_s=base.stagger_s)
+    return replace(base, conversations=conversations, turns=turns)
 
 
 def message(conversation: int, turn: int, plan: Plan) -> str:
@@ -75,12 +74,10 @@ def message(conversation: int, turn: int, plan: Plan) -> str:
 
 
 def next_prompt(previous: str, answer: str, new_message: str) -> str:
-    """A turn's prompt: the previous prompt, its answer and the new message (the whole context again)."""
     return previous + answer + new_message
 
 
 def by_source(metrics: dict[str, float]) -> dict[str, float]:
-    """D's prompt tokens by where their KV came from (`vllm:prompt_tokens_by_source`)."""
     return {s: metric_sum({k: v for k, v in metrics.items() if f'source="{s}"' in k}, BY_SOURCE) for s in SOURCES}
 
 
@@ -127,6 +124,7 @@ def _wave(url: str, model: str, plan: Plan, prompts: dict[int, str], turn: int) 
 @dataclass
 class Run:
     """One system's conversations: its answers by (conversation, turn) and D's counter deltas by turn."""
+
     answers: dict[tuple[int, int], Answer] = field(default_factory=dict)
     d_deltas: dict[int, dict[str, float]] = field(default_factory=dict)
 
