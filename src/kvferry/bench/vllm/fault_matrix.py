@@ -43,7 +43,6 @@ class Matrix:
         self.seed = 1000 * CONNECTORS.index(pair.kind)
         self.pool = ThreadPoolExecutor(4)
 
-    # -- helpers --
     def _prompts(self) -> dict[str, str]:
         self.seed += 2
         return {policy: prompt(self.seed + i) for i, policy in enumerate(POLICIES)}
@@ -63,9 +62,8 @@ class Matrix:
             return type(exc).__name__
 
     def _ask_d(self, policy: str, text: str, params: dict[str, Any]) -> Future[tuple[Any, float, int]]:
-        """D's answer to the request P prefilled; a KV-load failure (`retryable`) gets a new prefill and a
-        new D request, up to `retries` times, on the P that `next_prefill` picks (the same rule for both
-        connectors, as `kvferry proxy --retries` retries)."""
+        """D's answer to the request P prefilled; a KV-load failure (`retryable`) gets a new prefill on the P
+        `next_prefill` picks and a new D request, up to `retries` times, for both connectors alike."""
 
         def call() -> tuple[Any, float, int]:
             r, tries, backoffs, last = self._decode(policy, text, params), 1, 0, 0
@@ -105,10 +103,10 @@ class Matrix:
 
     def _cells(self, fault: str, refs: dict[str, str], futures: dict[str, Future[tuple[Any, float, int]]],
                before: dict[str, dict[str, float]], t_ref: dict[str, float], dead: set[str],
-               watch: FreedWatch, note: str = "") -> list[Cell]:
+               watch: FreedWatch) -> list[Cell]:
         cells = []
         for policy, future in futures.items():
-            cell = Cell(self.pair.kind, policy, fault, note=note)
+            cell = Cell(self.pair.kind, policy, fault)
             try:
                 response, answered, cell.tries = future.result(timeout=(self.caps.answer + 5) * (self.retries + 1) + 30)
             except Exception as exc:  # noqa: BLE001 - recorded in the cell
@@ -136,15 +134,13 @@ class Matrix:
         freed = watch.result()
         for cell in cells:
             cell.freed_s = dict(freed)
-        for cell in cells:
             self.log(f"  {cell.connector} {fault} {cell.policy}: {summary(cell)}; held {cell.held}; freed "
-                     f"{freed_summary(cell)} {note}")
+                     f"{freed_summary(cell)}")
         return cells
 
     def _before(self) -> dict[str, dict[str, float]]:
         return {policy: d.metrics(timeout=15) for policy, d in self.pair.d.items()}
 
-    # -- the cells --
     def reading(self, fault: str, act: Callable[[], None], undo: Callable[[], None] | None = None,
                 dead: frozenset[str] = frozenset()) -> list[Cell]:
         """A fault while both D's read: P prefilled both prompts, the link is capped, both D's asked."""
