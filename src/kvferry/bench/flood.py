@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from kvferry.bench.report import report
 from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_workload
 from kvferry.harness.metrics_text import parse_samples
 from kvferry.harness.processes import Supervised
+from kvferry.harness.sampler import Periodic
 from kvferry.harness.system import PDSystem, PDSystemConfig
 
 GOAL_OK = 0.99
@@ -181,28 +181,6 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-class _FdPeak:
-    """Samples a process's descriptor count on a thread while a phase runs."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak = pid, _fds(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fd-peak", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak = max(self.peak, _fds(self.pid))
-
-    def __enter__(self) -> _FdPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.peak = max(self.peak, _fds(self.pid))
-
-
 @contextmanager
 def stranger(flood: Flood, target: str, counts: list[int]) -> Iterator[int]:
     """The flood, once in place; on exit stopped, and the connections D closed on it appended to `counts`."""
@@ -261,13 +239,14 @@ def measure(system: PDSystem, flood: Flood, items: Sequence[WorkItem],
         with contextlib.ExitStack() as stack:
             if flooding:
                 pids["stranger"] = stack.enter_context(stranger(flood, target, counts))
-                fds = stack.enter_context(_FdPeak(victim.pid))
+                fds = Periodic(lambda: _fds(victim.pid), 0.05, "fd-peak")
+                stack.callback(fds.stop, 5, True)
             before = _snapshot(system, pids)
             results = _send(system.proxy.url, [items[i] for i in part])
             usage[flooding].add(before, _snapshot(system, pids))
             pids.pop("stranger", None)
         if flooding:
-            peak = max(peak, fds.peak)
+            peak = max(peak, *map(int, fds.samples))
             _settle(victim.pid, base)
         for i, result in zip(part, results, strict=True):
             phases[flooding].add(result, expected[i])

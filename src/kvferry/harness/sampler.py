@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,28 @@ def is_drained(state: dict[str, Any]) -> bool:
 def blocks_held(state: dict[str, Any]) -> int:
     """KV blocks an instance holds, from its /debug/state."""
     return int(state["blocks_total"]) - int(state["blocks_free"])
+
+
+class Periodic:
+    """`sample()` now and every `interval` s on a thread, into `samples`, until `stop()`."""
+
+    def __init__(self, sample: Callable[[], float], interval: float, name: str) -> None:
+        self.samples, self._sample, self._interval = [sample()], sample, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.samples.append(self._sample())
+
+    def stop(self, timeout: float | None = None, last: bool = False) -> list[float]:
+        """The samples; with `last`, one more taken now."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if last:
+            self.samples.append(self._sample())
+        return self.samples
 
 
 class SystemSampler:

@@ -31,6 +31,7 @@ from kvferry.bench.vllm.servers import (
 from kvferry.bench.vllm.soak_watch import STALL_S, Watchdog, metrics_of, write_sitecustomize
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
+from kvferry.harness.sampler import Periodic
 
 SOAK_CONCURRENCY = 16
 REFERENCE_PROMPTS = 24
@@ -49,28 +50,6 @@ def _error_kind(r: httpx.Response) -> str:
     m = _ERROR.search(r.text)
     words = re.sub(r"cmpl-\S+|[0-9a-f]{8,}|\d+(\.\d+)?", "N", m[1]) if m else r.text[:40]
     return f"HTTP {r.status_code}: {words}"
-
-
-class _LoadAverage:
-    """The 1-minute load average every LOAD_EVERY_S while the soak runs."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="soak-load", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(LOAD_EVERY_S):
-                return
-
-    def stop(self) -> str:
-        self._stop.set()
-        self._thread.join()
-        s = self.samples
-        return f"{min(s):.1f} / {sum(s) / len(s):.1f} / {max(s):.1f}" if s else "-"
 
 
 def _drive(url: str, model: str, refs: list[str], refs_prompts: list[str], minutes: float,
@@ -150,13 +129,14 @@ def run(json_path: str | None, minutes: float, quick: bool = False) -> list[dict
                 group.wait_healthy()
             complete(proxy.url, model, "warm-up " + refs_prompts[0], 2, ANSWER_TIMEOUT_S)
             d_log_start = d.log.stat().st_size
-            load = _LoadAverage()
+            load = Periodic(lambda: os.getloadavg()[0], LOAD_EVERY_S, "soak-load")
             dog.start()
             try:
                 results = _drive(proxy.url, model, refs, refs_prompts, minutes, dog)
             finally:
                 dog.stop()
-                load_text = load.stop()
+                s = load.stop()
+                load_text = f"{min(s):.1f} / {sum(s) / len(s):.1f} / {max(s):.1f}"
             d_causes = Counter(_FAILED.findall(d.log.read_text(errors="replace")[d_log_start:]))
             after = {s.name: metrics_of(s) for s in (p, d)}
             dead = [f"{s.name} exited {s.popen.returncode}" for s in (p, d, proxy) if not s.alive()]
