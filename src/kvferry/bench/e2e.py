@@ -51,8 +51,8 @@ class Series:
     kv_bytes: list[float] = field(default_factory=list)
 
 
-def prompts(length: int, count: int, seed: int = SEED) -> list[list[int]]:
-    rng = random.Random(f"kvferry-e2e-{seed}-{length}")
+def prompts(length: int, count: int, seed: int = SEED, bench: str = "e2e") -> list[list[int]]:
+    rng = random.Random(f"kvferry-{bench}-{seed}-{length}")
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import random
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench.e2e import stream_completion
+from kvferry.bench.e2e import prompts, stream_completion
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
 from kvferry.harness.network import VethLink
@@ -76,11 +75,6 @@ class Systems:
     off: tuple[str, str, str]
 
 
-def prompts(length: int, count: int) -> list[list[int]]:
-    rng = random.Random(f"kvferry-progressive-{SEED}-{length}")
-    return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
-
-
 def _one(client: httpx.Client, urls: tuple[str, ...], prompt: list[int]) -> Sample:
     """One request through `urls` (proxy, P, D; or the colocated instance alone)."""
     own, d = urls[1 if len(urls) > 1 else 0], urls[-1]
@@ -98,10 +92,10 @@ def measure(systems: Systems, plan: Sequence[tuple[int, int]], link: str) -> lis
     rows: list[dict[str, Any]] = []
     with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)) as client:
         for url in (systems.colocated, systems.on[0], systems.off[0]):  # warm-up, not measured
-            stream_completion(client, url, prompts(64, 1)[0], OUTPUT_TOKENS)
+            stream_completion(client, url, prompts(64, 1, SEED, "progressive")[0], OUTPUT_TOKENS)
         for length, reps in plan:
             s = Series()
-            for i, prompt in enumerate(prompts(length, reps)):
+            for i, prompt in enumerate(prompts(length, reps, SEED, "progressive")):
                 base = _one(client, (systems.colocated,), prompt)
                 on, off = _one(client, systems.on, prompt), _one(client, systems.off, prompt)
                 if not base.text == on.text == off.text:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from kvferry.bench.report import report
-from kvferry.bench.vllm.client import stream
+from kvferry.bench.vllm.client import VOCAB, stream
 from kvferry.bench.vllm.servers import (
     LOOPBACK,
     ServerGroup,
@@ -40,8 +40,7 @@ _IN_NETNS = "KVFERRY_BENCH_NETNS"
 
 
 def _prompt(words: int, seed: int) -> str:
-    vocab = ["river", "stone", "light", "paper", "garden", "engine", "cloud", "market", "silver", "window"]
-    return " ".join(vocab[(i * 7 + seed * 3) % len(vocab)] for i in range(words))
+    return " ".join(VOCAB[(i * 7 + seed * 3) % 10] for i in range(words))
 
 
 QUEUE_TIME = "vllm:request_queue_time_seconds_sum"
@@ -66,8 +65,8 @@ def _latency(url: str, model: str, prompts: list[str], max_tokens: int, d: Serve
 
 
 def _kill_to_error(url: str, model: str, p: ServerGroup, prompt: str) -> tuple[float | None, str]:
-    """Send a long prompt, `kill -9` P while it prefills (D waits for the KV), time until the client has
-    its answer (None: still waiting after KILL_WAIT_CAP_S), and what that answer was."""
+    """`kill -9` P while it prefills a long prompt: seconds until the client has its answer (None: still
+    waiting after KILL_WAIT_CAP_S), and the answer."""
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
     result: dict[str, Any] = {}
 
@@ -91,8 +90,7 @@ def _kill_to_error(url: str, model: str, p: ServerGroup, prompt: str) -> tuple[f
 
 
 def router_argv(router_exe: str, port: int, kind: str, p_url: str, d_url: str, bootstrap: int) -> list[str]:
-    """vllm-router: NIXL mode for kvferry and NIXL (P first, its kv_transfer_params to D), Mooncake mode
-    for MooncakeConnector."""
+    """vllm-router: NIXL mode (P first, its kv_transfer_params to D) but for MooncakeConnector."""
     mode = ["--prefill", p_url] if kind != "mooncake" else ["--kv-connector", "mooncake", "--prefill", p_url,
                                                             str(bootstrap)]
     return [router_exe, "--host", LOOPBACK, "--port", str(port), "--policy", "round_robin",
