@@ -45,10 +45,7 @@ _SECONDS = re.compile(r"(unreachable|silent) for ([\d.]+)s")
 
 def _dead_kinds(reasons: list[str]) -> str:
     """What each false `peer_dead` was: which bound ran out, after how long (the message's own words)."""
-    kinds = []
-    for message in reasons:
-        m = _SECONDS.search(message)
-        kinds.append(f"{m[1]} {m[2]}s" if m else message[:60])
+    kinds = [f"{m[1]} {m[2]}s" if (m := _SECONDS.search(message)) else message[:60] for message in reasons]
     return ", ".join(sorted(kinds)) or "-"
 
 
