@@ -104,7 +104,8 @@ class _PChaos(threading.Thread):
 
 def _hit(result: RequestResult, events: list[ChaosEvent]) -> bool:
     sent, done = result.sent_at, result.finished_at
-    return sent is not None and done is not None and any(sent <= e.end + 0.5 and e.start <= done for e in events)
+    return sent is not None and done is not None and any(sent <= e.end + 0.5 and e.start <= done
+                                                         for e in events)
 
 
 def judge(results: list[RequestResult], references: dict[int, str], spec: FaultSpec, policy: str,
