@@ -53,9 +53,8 @@ VARIANTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 LOADED_FAULTS = "slow=500"  # P sits 0.5 s on every write, so D's heartbeats and P's lease matter
 IN_FLIGHT = 4  # requests at a time per system: both engines busy, not just the hogs
 PROMPT_TOKENS = (200, 1500)
-# Stutter: P or D (of every system at once) frozen for base + Exp(mean), at most `most` s, then run 0.3-1 s:
-# the bursts a starved process lives through.
-STALL_S = (0.15, 0.45, 2.5)
+# Stutter, the bursts a starved process lives through: P or D (of every system) frozen, then run 0.3-1 s.
+STALL_S = (0.15, 0.45, 2.5)  # frozen for base + Exp(mean) s, at most `most`
 RUN_S = (0.3, 1.0)
 
 

@@ -130,8 +130,7 @@ FAULT_RUNS: dict[str, Callable[[_Bench], list[Cell]]] = {
     "kill_p_answered": lambda b: b.matrix.simple("kill_p_answered", between=_send(KILL, b.pair.p),
                                                  dead=P_DEAD),
     "lease_out": _lease_out}
-# What a fault that kills a server leaves to repair once its cells are in (a repair that fails is the
-# harness's error, after the cells are kept).
+# What a fault that kills a server leaves to repair once its cells are kept (a failed repair: the harness's).
 REPAIRS: dict[str, Callable[[_Bench], None]] = {
     "kill_d": _Bench.restart_ds, "kill_p_reading": _Bench.restart_p,
     "kill_p_answered": lambda b: b.restart_p(short=True), "kill_p_rank": _Bench.restart_p}

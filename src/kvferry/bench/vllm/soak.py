@@ -39,8 +39,7 @@ WORDS, MAX_TOKENS = 120, 16
 ANSWER_TIMEOUT_S = 900.0  # longer than the stall looked for (300 s), so the client sees it end
 LOAD_EVERY_S = 10.0
 DEFAULT_FAULTS = "transport=0.03,error_reply=0.03,drop_reply=0.03,p_not_ready=0.03,seed=39"
-# D's log: one line per request vLLM's scheduler fails for its KV load, with the cause (the consumer's own
-# "KV load for ... failed" line can come twice for one request: a release-only pull after an error reply)
+# D's log: one line per request vLLM fails for its KV load (the consumer's own line can come twice for one)
 _FAILED = re.compile(r'kvferry_kv_load_failed \{.*"cause": "(\w+)"')
 _ERROR = re.compile(r'"(?:message|detail|error)":\s*"([^"]{0,80})')
 
@@ -100,10 +99,9 @@ def summary_row(minutes: float, faults: str, results: list[tuple[str, float]], d
                                              f"{outcomes['ok, same text'] + outcomes['DIFFERENT TEXT']}",
             "failed by outcome": "; ".join(f"{k} {v}" for k, v in sorted(failed.items())) or "0",
             "D's KV-load failures by cause": ", ".join(f"{k} {v}" for k, v in sorted(d_causes.items())) or "0",
-            "p50 s": percentile(seconds, 50) if seconds else None, "p99 s": percentile(seconds, 99) if seconds else None,
+            "p50 s": percentile(seconds, 50), "p99 s": percentile(seconds, 99),
             "max s": max(seconds, default=None), f"stalls > {STALL_S:.0f} s": stalls,
-            "> 300 s": sum(s > 300 for s in seconds),
-            "load avg min/mean/max": load}
+            "> 300 s": sum(s > 300 for s in seconds), "load avg min/mean/max": load}
 
 
 def run(json_path: str | None, minutes: float, quick: bool = False) -> list[dict[str, Any]]:
