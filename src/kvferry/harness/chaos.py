@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import signal
@@ -158,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_process_chaos:
                 chaos = _PChaos(system, args.chaos_every, args.seed, t0)
                 chaos.start()
-            progress = _Progress(results, chaos, t0)
+            line = functools.partial(_progress, results, chaos, t0)
             live = not args.no_live and console.is_terminal
-            asyncio.run(show_progress(console, live, progress.view, progress.line,
+            asyncio.run(show_progress(console, live, lambda: Text(line()), line,
                                       run_workload(system.proxy.url, items, results, t0, args.concurrency, 120.0)))
             if chaos is not None:
                 chaos.halt.set()
@@ -194,23 +195,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-class _Progress:
-    """What the live view shows: requests by outcome and the P kills/freezes so far."""
-
-    def __init__(self, results: list[RequestResult], chaos: _PChaos | None, t0: float) -> None:
-        self.results, self.chaos, self.t0 = results, chaos, t0
-
-    def line(self) -> str:
-        outcomes = Counter(r.outcome for r in self.results)
-        done = sum(n for k, n in outcomes.items() if k not in ("pending", "running"))
-        events = self.chaos.events if self.chaos is not None else []
-        last = f", last: {events[-1].kind} at {events[-1].start:.0f}s" if events else ""
-        counts = " ".join(f"{k} {n}" for k, n in sorted(outcomes.items()))
-        return (f"kvferry chaos: {time.monotonic() - self.t0:5.0f}s  {done}/{len(self.results)} done  "
-                f"({counts})  P events {len(events)}{last}")
-
-    def view(self) -> Text:
-        return Text(self.line())
+def _progress(results: list[RequestResult], chaos: _PChaos | None, t0: float) -> str:
+    """The live view: requests by outcome and the P kills/freezes so far."""
+    outcomes = Counter(r.outcome for r in results)
+    done = sum(n for k, n in outcomes.items() if k not in ("pending", "running"))
+    events = chaos.events if chaos is not None else []
+    last = f", last: {events[-1].kind} at {events[-1].start:.0f}s" if events else ""
+    counts = " ".join(f"{k} {n}" for k, n in sorted(outcomes.items()))
+    return (f"kvferry chaos: {time.monotonic() - t0:5.0f}s  {done}/{len(results)} done  "
+            f"({counts})  P events {len(events)}{last}")
 
 
 def _print(console: Console, report: dict[str, Any]) -> None:

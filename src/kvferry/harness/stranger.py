@@ -102,12 +102,6 @@ class _Counts:
             print("ready", flush=True)
 
 
-def _tcp(host: str, port: int) -> socket.socket | None:
-    with contextlib.suppress(OSError):
-        return socket.create_connection((host, port), timeout=1)
-    return None
-
-
 def _gone(s: socket.socket) -> bool:
     try:
         s.setblocking(False)
@@ -131,8 +125,9 @@ def hold(host: str, port: int, n: int, running: Callable[[], bool], first: bytes
                 alive.append(s)
         socks = alive
         while len(socks) < n and running():
-            fresh = _tcp(host, port)
-            if fresh is None:
+            try:
+                fresh = socket.create_connection((host, port), timeout=1)
+            except OSError:
                 break
             if first:
                 with contextlib.suppress(OSError):

@@ -34,7 +34,6 @@ class Pair:
 
     def __init__(self, kind: str, net: Any, vllm: str, model: str, tmp: Path, p_tp: int = 1) -> None:
         self.kind, self.net, self.vllm, self.model, self.tmp, self.p_tp = kind, net, vllm, model, tmp, p_tp
-        self.nixl_config = NIXL_CONFIG
         self.p_port, self.bootstrap = free_port(), free_port()
         self.p: Any = None
         self.p2: Any = None
@@ -69,8 +68,8 @@ class Pair:
             config = kvferry_kv("kv_producer", None, **extra)
             env: dict[str, str] = {}
         else:
-            config = {**self.nixl_config, "kv_connector_extra_config": {"kv_lease_duration": SHORT_LEASE_S} if short
-                      else {}}
+            lease = {"kv_lease_duration": SHORT_LEASE_S} if short else {}
+            config = {**NIXL_CONFIG, "kv_connector_extra_config": lease}
             env = self._nixl_env(host, "21000-21999")
         return self._serve(name, host, port, config, env, 24, self.p_tp if name == "prefill" else 1)
 
@@ -96,7 +95,7 @@ class Pair:
                                 prefill_allow=[self.net["p"].ip, self.net["p2"].ip])
             env: dict[str, str] = {}
         else:
-            config = {**self.nixl_config, "kv_load_failure_policy": policy}
+            config = {**NIXL_CONFIG, "kv_load_failure_policy": policy}
             env = self._nixl_env(host, "22000-22499" if policy == "fail" else "22500-22999")
         d = self._serve(f"decode-{policy}", host, free_port(), config, env, 64)
         self.d[policy] = d
