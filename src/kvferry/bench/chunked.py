@@ -1,12 +1,12 @@
-"""`kvferry bench chunked`: how long a 2-token request waits when it arrives while a long prompt is being
-prefilled, with chunked prefill (the default cap) and without (cap 0), against the same request on an
-idle engine. One in-process engine thread per set-up, tiny model, 1 BLAS thread."""
+"""`kvferry bench chunked`: how long a 2-token request waits behind a long prefill, with chunked prefill
+and without, against the same request on an idle engine."""
 
 from __future__ import annotations
 
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,15 +19,15 @@ LONG_PROMPT = 8192
 SHORT_PROMPT = [72, 105]
 
 
+def _until_finished(done: threading.Event) -> Callable[[RequestOutput], None]:
+    return lambda out: done.set() if out.finished else None
+
+
 def _short_latency(engine: Engine, name: str) -> float:
     done = threading.Event()
-
-    def sink(out: RequestOutput) -> None:
-        if out.finished:
-            done.set()
-
     begin = time.monotonic()
-    engine.submit(Request(name, SHORT_PROMPT, SamplingParams(2, 0.0, None, (), (), True), None, time.time()), sink)
+    request = Request(name, SHORT_PROMPT, SamplingParams(2, 0.0, None, (), (), True), None, time.time())
+    engine.submit(request, _until_finished(done))
     if not done.wait(600):
         raise TimeoutError("short request did not finish")
     return time.monotonic() - begin
@@ -43,12 +43,7 @@ def _measure(chunk: int, long_prompt: int, reps: int) -> dict[str, Any]:
             long_done = threading.Event()
             ids = np.random.default_rng(i).integers(0, 256, long_prompt).tolist()
             params = SamplingParams(1, 0.0, None, (), (), True)
-
-            def sink(out: RequestOutput, done: threading.Event = long_done) -> None:
-                if out.finished:
-                    done.set()
-
-            engine.submit(Request(f"long-{i}", ids, params, None, time.time()), sink)
+            engine.submit(Request(f"long-{i}", ids, params, None, time.time()), _until_finished(long_done))
             time.sleep(0.05)  # the long prefill has started
             behind.append(_short_latency(engine, f"behind-{i}"))
             long_done.wait(600)

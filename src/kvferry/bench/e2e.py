@@ -1,23 +1,9 @@
 """`kvferry bench e2e`: TTFT and inter-token latency, colocated vs disaggregated (proxy + P + D).
 
-One colocated instance (`kvferry serve --role both`) and one P/D system (proxy, P, D) run side by side
-on free loopback ports, every process with single-threaded BLAS. For each prompt length (128, 2k and 8k
-byte tokens) the same prompts are sent to both, streaming, one request at a time (the two modes take
-turns, so a slow moment of the machine hits both), greedy (temperature 0, ignore_eos) with
-`OUTPUT_TOKENS` output tokens; the outputs of the two modes must be identical, or the bench raises.
-
-Where the figures come from:
-- TTFT: time to the response headers (an instance answers only once the first token exists; the proxy
-  relays D's headers);
-- ITL: every SSE event carries `usage.completion_tokens`; the time between two events is spread over
-  the tokens that arrived with the later one (a byte token that ends inside a UTF-8 character arrives
-  with the next event);
-- transfer_ms: per request, the delta of D's `kvferry_kv_transfer_seconds` sum (from P's first write
-  into D's memory to P's FINISH reply); p_write_ms: the same from P's histogram (the data-plane write
-  alone); kv_mib: the delta of `kvferry_kv_transfer_bytes_total`;
-- transfer_share_of_ttft: transfer_ms p50 / disaggregated TTFT p50; x_ttft_vs_colocated: disaggregated
-  TTFT p50 / colocated TTFT p50.
-After the run, P and D must have freed every KV block, or the bench raises."""
+The same prompts go to both modes in turn (so a slow moment hits both), streamed, greedy; outputs must
+be identical and every KV block freed afterwards, or the bench raises. TTFT is the time to the response
+headers (sent with the first token); transfer_ms and p_write_ms are per-request deltas of D's and P's
+`kvferry_kv_transfer_seconds`."""
 
 from __future__ import annotations
 
@@ -36,8 +22,7 @@ from kvferry.harness.system import PDSystem, PDSystemConfig
 
 OUTPUT_TOKENS = 16
 SEED = 0
-# Enough for one 8k prompt + output on each instance (16-token blocks), with room to spare.
-NUM_BLOCKS = 1024
+NUM_BLOCKS = 1024  # one 8k prompt + output on each instance, with room to spare
 BLOCK_SIZE = 16
 REQUEST_TIMEOUT_S = 120.0
 # (prompt tokens, repetitions) per mode; 8k prefills take seconds on one core, so few of them.
@@ -51,8 +36,6 @@ _BYTES = "kvferry_kv_transfer_bytes_total"
 
 @dataclass
 class Measured:
-    """One streamed completion."""
-
     ttft_s: float
     itl_s: list[float]  # one value per output token after the first
     text: str
@@ -68,9 +51,8 @@ class Series:
     kv_bytes: list[float] = field(default_factory=list)
 
 
-def prompts(length: int, count: int, seed: int = SEED) -> list[list[int]]:
-    """`count` prompts of `length` byte tokens, deterministic in (length, count, seed)."""
-    rng = random.Random(f"kvferry-e2e-{seed}-{length}")
+def prompts(length: int, count: int, seed: int = SEED, bench: str = "e2e") -> list[list[int]]:
+    rng = random.Random(f"kvferry-{bench}-{seed}-{length}")
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
 
@@ -81,15 +63,14 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
     with client.stream("POST", f"{url}/v1/completions", json=stream_body(prompt, max_tokens)) as response:
         first = time.perf_counter()
         if response.status_code != 200:
-            raise RuntimeError(
-                f"{url}: HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
+            body = response.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {body}")
         stream.read(response.iter_lines())
     if stream.error_event is not None:
         raise RuntimeError(f"{url}: error in stream: {stream.error_event['error']}")
     if not stream.done:
         raise RuntimeError(f"{url}: stream ended without [DONE]")
     tokens = stream.token_times[-1][1] if stream.token_times else 0
-    # The response headers leave with the first token.
     return Measured(first - sent, spread_itl(first, stream.token_times), stream.text, tokens)
 
 
@@ -105,20 +86,12 @@ def _transfer_delta(before: MetricSnapshot, after: MetricSnapshot, where: str) -
 
 
 def _row(mode: str, length: int, reps: int, s: Series) -> dict[str, Any]:
-    return {
-        "mode": mode,
-        "prompt_tokens": length,
-        "reps": reps,
-        "ttft_p50_ms": ms(percentile(s.ttft_s, 50)),
-        "ttft_p99_ms": ms(percentile(s.ttft_s, 99)),
-        "itl_p50_ms": ms(percentile(s.itl_s, 50)),
-        "itl_p99_ms": ms(percentile(s.itl_s, 99)),
-        "transfer_ms": ms(percentile(s.transfer_s, 50)),
-        "p_write_ms": ms(percentile(s.p_write_s, 50)),
-        "kv_mib": (percentile(s.kv_bytes, 50) or 0) / 2**20 if s.kv_bytes else None,
-        "transfer_share_of_ttft": None,
-        "x_ttft_vs_colocated": None,
-    }
+    return {"mode": mode, "prompt_tokens": length, "reps": reps, "ttft_p50_ms": ms(percentile(s.ttft_s, 50)),
+            "ttft_p99_ms": ms(percentile(s.ttft_s, 99)), "itl_p50_ms": ms(percentile(s.itl_s, 50)),
+            "itl_p99_ms": ms(percentile(s.itl_s, 99)), "transfer_ms": ms(percentile(s.transfer_s, 50)),
+            "p_write_ms": ms(percentile(s.p_write_s, 50)),
+            "kv_mib": (percentile(s.kv_bytes, 50) or 0) / 2**20 if s.kv_bytes else None,
+            "transfer_share_of_ttft": None, "x_ttft_vs_colocated": None}
 
 
 def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
@@ -139,10 +112,9 @@ def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
                 b = stream_completion(client, proxy_url, prompt, OUTPUT_TOKENS)
                 p_after, d_after = get_metrics(client, p_url), get_metrics(client, d_url)
                 if (a.text, a.completion_tokens) != (b.text, b.completion_tokens):
-                    raise RuntimeError(
-                        f"outputs differ for prompt {i} of {length} tokens: colocated "
-                        f"{a.completion_tokens} tokens {a.text!r}, disaggregated {b.completion_tokens} tokens {b.text!r}"
-                    )
+                    raise RuntimeError(f"outputs differ for prompt {i} of {length} tokens: colocated "
+                                       f"{a.completion_tokens} tokens {a.text!r}, disaggregated "
+                                       f"{b.completion_tokens} tokens {b.text!r}")
                 if a.completion_tokens != OUTPUT_TOKENS:
                     raise RuntimeError(f"expected {OUTPUT_TOKENS} output tokens, got {a.completion_tokens}")
                 colocated.ttft_s.append(a.ttft_s)
@@ -152,10 +124,8 @@ def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
                 disaggregated.transfer_s.append(_transfer_delta(d_before, d_after, "D"))
                 disaggregated.p_write_s.append(_transfer_delta(p_before, p_after, "P"))
                 disaggregated.kv_bytes.append(_delta(d_before, d_after, _BYTES))
-            base, pd = (
-                _row("colocated", length, reps, colocated),
-                _row("disaggregated", length, reps, disaggregated),
-            )
+            base, pd = _row("colocated", length, reps, colocated), _row("disaggregated", length, reps,
+                                                                         disaggregated)
             if pd["ttft_p50_ms"] and pd["transfer_ms"] is not None:
                 pd["transfer_share_of_ttft"] = pd["transfer_ms"] / pd["ttft_p50_ms"]
             if pd["ttft_p50_ms"] and base["ttft_p50_ms"]:
@@ -166,18 +136,13 @@ def measure(colocated_url: str, proxy_url: str, p_url: str, d_url: str,
 
 def run(json_path: str | None = None, quick: bool = False, *,
         plan: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
-    """Measure, print the table (and write --json); `plan` ((prompt tokens, reps), ...) overrides the
-    default plan (tests use a tiny one)."""
+    """`plan` ((prompt tokens, reps), ...) overrides the default one (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
-    # D waits for P's prefill as long as the client does: an 8k prefill on a loaded box can take longer
-    # than any shorter deadline.
+    # D waits for P's prefill as long as the client does: an 8k prefill on a loaded box takes long.
     with PDSystem(PDSystemConfig(seed=SEED, policy="fail", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                                  abort_timeout=10.0, kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True)) as pd:
         rows = measure(pd.colocated.url, pd.proxy.url, pd.prefill.url, pd.decode.url, plan)
         require_drained({"P": pd.prefill.url, "D": pd.decode.url, "colocated": pd.colocated.url}, 15)
-    report(
-        f"kvferry bench e2e: colocated vs disaggregated, {OUTPUT_TOKENS} output tokens, one request at a time",
-        rows,
-        json_path,
-    )
+    report(f"kvferry bench e2e: colocated vs disaggregated, {OUTPUT_TOKENS} output tokens, one request at a "
+           "time", rows, json_path)
     return rows

@@ -1,11 +1,6 @@
-"""`kvferry bench failover`: how long a decode request waits on a prefill instance that died or hung.
-
-For each repetition P prefills a request, D pulls it while P sits on the write (`slow` fault), then P
-gets `kill -9` or SIGSTOP; we time until the client holds D's answer (HTTP 500, cause peer_dead), which
-is when the request left WAITING_FOR_REMOTE_KVS (plus a loopback round trip). P is then restarted at the
-same address, which must work at once. Side by side: kvferry's defaults (heartbeats + connection events)
-and liveness off, where only the receive timeout (abort timeout + 5 s; vLLM's Mooncake defaults are
-480 + 60 s) frees the request."""
+"""`kvferry bench failover`: how long a decode request waits on a prefill instance that died (kill -9) or
+hung (SIGSTOP) mid-pull, with kvferry's liveness (heartbeats + connection events) and without it, where
+only the receive timeout frees the request."""
 
 from __future__ import annotations
 
@@ -41,21 +36,18 @@ def _state(url: str) -> dict[str, Any]:
 
 
 def writing(p_url: str, d_url: str) -> bool:
-    """P is inside its (slowed) write for the pull; D waits for the blocks."""
     d_waiting = _state(d_url).get("requests_by_status", {}).get("WAITING_FOR_REMOTE_KVS")
     return bool(d_waiting) and bool(_state(p_url).get("connector", {}).get("writes_in_flight"))
 
 
 def pair(abort_timeout: float, *d_args: str) -> PDSystem:
-    """P, sitting on every write (`slow`), and D, which fails a load it cannot finish; no proxy."""
     return PDSystem(PDSystemConfig(policy="fail", num_blocks=256, abort_timeout=abort_timeout, proxy=False,
                                    prefill=Role(args=("--faults", "slow=600000")), decode=Role(args=d_args)))
 
 
 def pull(system: PDSystem) -> tuple[threading.Thread, list[httpx.Response]]:
-    """P prefills a request, then D is asked to decode it (from a thread: the answer waits on what happens to
-    P or D next); returns once P sits on the write for D's pull, with the thread and where D's answer lands."""
-    # The prefill first (as the proxy's sequential mode does), so P's HTTP answer is out before P dies.
+    """P prefills a request (first, so P's answer is out before P dies), then D is asked to decode it from a
+    thread; returns once P sits on the write for D's pull, with the thread and where D's answer lands."""
     body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4()}"}}
     prefill = httpx.post(f"{system.prefill.url}/v1/completions", json=body, timeout=60)
@@ -87,21 +79,15 @@ def one(system: PDSystem, sig: signal.Signals) -> float:
 
 
 def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
-    reps_on = 3 if quick else 10
-    reps_off = 1 if quick else 3
+    reps_on, reps_off = (3, 1) if quick else (10, 3)
     abort_timeout = 3.0
     rows = []
     for liveness, reps in ((True, reps_on), (False, reps_off)):
+        mode = "heartbeats+events" if liveness else f"off (recv timeout {abort_timeout + 5:.0f}s)"
         with pair(abort_timeout, *(() if liveness else ("--heartbeat-timeout", "0"))) as system:
             for name, sig in (("kill -9", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP)):
                 times = [one(system, sig) for _ in range(reps)]
-                rows.append({
-                    "liveness": "heartbeats+events" if liveness else f"off (recv timeout {abort_timeout + 5:.0f}s)",
-                    "fault": name,
-                    "reps": reps,
-                    "p50_s": percentile(times, 50),
-                    "p99_s": percentile(times, 99),
-                    "max_s": max(times),
-                })
+                rows.append({"liveness": mode, "fault": name, "reps": reps, "p50_s": percentile(times, 50),
+                             "p99_s": percentile(times, 99), "max_s": max(times)})
     report("kvferry bench failover: P dies or hangs → D request released", rows, json_path)
     return rows

@@ -1,15 +1,9 @@
-"""`kvferry bench flood`: legitimate P/D requests while a stranger without the secret floods
-P's control port or D's data port, against the same requests on the same system with no flood.
+"""`kvferry bench flood`: legitimate P/D requests while a stranger without the secret floods P's control
+port or D's data port, against the same requests with no flood.
 
-One proxy + P + D (the harness's `PDSystem`, KVFERRY_SECRET set), the stranger in a process of its own
-(`harness/stranger.py`, the floods of tests/security). For each flood in turn: quiet and flood phases
-of the same streamed requests through the proxy, one after another, in the order Q F F Q (so a drift of
-the box's load hits both alike). A request is ok when its stream ends with [DONE] and its text is the
-fault-free one. TTFT: from sending to the first streamed token; the goal: >= 99 % ok and TTFT p99 at
-most 2x the quiet p99 measured next to it. `fds`: the flooded process's descriptors (P for its control
-port, D for its data port), before and at the peak of the flood phases; `drops`: what P counted in
-`kvferry_control_dropped_total`, or for D's data port the stranger's connections that D closed. A
-second table says where the time goes (with --json PATH, its rows go to PATH.costs.json)."""
+Phases run Q F F Q so a drift of the box's load hits quiet and flooded alike. A request is ok when its
+stream ends with [DONE] and its text is the fault-free one; the goal: >= 99 % ok and TTFT p99 at most
+2x the quiet p99. A second table says where the time goes (with --json PATH, in PATH.costs.json)."""
 
 from __future__ import annotations
 
@@ -17,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +23,7 @@ from kvferry.bench.report import report
 from kvferry.harness.client import RequestResult, WorkItem, new_results, percentile, run_workload
 from kvferry.harness.metrics_text import parse_samples
 from kvferry.harness.processes import Supervised
+from kvferry.harness.sampler import Periodic
 from kvferry.harness.system import PDSystem, PDSystemConfig
 
 GOAL_OK = 0.99
@@ -83,10 +77,7 @@ class Phase:
 
 
 def ratio(flooded: float | None, quiet: float | None) -> float | None:
-    """flooded / quiet, None when either is missing or quiet is not positive."""
-    if flooded is None or quiet is None or quiet <= 0:
-        return None
-    return flooded / quiet
+    return None if flooded is None or quiet is None or quiet <= 0 else flooded / quiet
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -94,25 +85,17 @@ def _ms(seconds: float | None) -> int | None:
 
 
 def flood_row(flood: Flood, quiet: Phase, flooded: Phase, fds: tuple[int, int], drops: int) -> dict[str, Any]:
-    """One row of the table: the flood phase next to its quiet phase."""
     p99, quiet_p99 = percentile(flooded.ttft_s, 99), percentile(quiet.ttft_s, 99)
     r = ratio(p99, quiet_p99)
     met = flooded.total > 0 and flooded.ok >= GOAL_OK * flooded.total and r is not None and r <= GOAL_RATIO
-    return {
-        "flood": flood.name,
-        "ok": f"{flooded.ok}/{flooded.total}",
-        "ttft_p50_ms": _ms(percentile(flooded.ttft_s, 50)),
-        "ttft_p99_ms": _ms(p99),
-        "quiet_ttft_p50_ms": _ms(percentile(quiet.ttft_s, 50)),
-        "quiet_ttft_p99_ms": _ms(quiet_p99),
-        "p99_ratio": None if r is None else round(r, 2),
-        "latency_p99_ms": _ms(percentile(flooded.latency_s, 99)),
-        "quiet_latency_p99_ms": _ms(percentile(quiet.latency_s, 99)),
-        "fds": f"{fds[0]} -> {fds[1]}",
-        "drops": drops,
-        "goal": "met" if met else "missed",
-        "first_failure": flooded.first_failure or quiet.first_failure,
-    }
+    return {"flood": flood.name, "ok": f"{flooded.ok}/{flooded.total}",
+            "ttft_p50_ms": _ms(percentile(flooded.ttft_s, 50)), "ttft_p99_ms": _ms(p99),
+            "quiet_ttft_p50_ms": _ms(percentile(quiet.ttft_s, 50)), "quiet_ttft_p99_ms": _ms(quiet_p99),
+            "p99_ratio": None if r is None else round(r, 2),
+            "latency_p99_ms": _ms(percentile(flooded.latency_s, 99)),
+            "quiet_latency_p99_ms": _ms(percentile(quiet.latency_s, 99)), "fds": f"{fds[0]} -> {fds[1]}",
+            "drops": drops, "goal": "met" if met else "missed",
+            "first_failure": flooded.first_failure or quiet.first_failure}
 
 
 # Where a request's time goes, from the instances' own histograms: (column, instance, metric).
@@ -161,8 +144,7 @@ def cost_row(flood: Flood, phase: str, usage: Usage) -> dict[str, Any]:
 
 
 def _sched_s(pid: int) -> tuple[float, float]:
-    """(on a CPU, waiting in a run queue) in seconds. CPU: the whole process, threads that exited included
-    (utime + stime); the wait: the kernel keeps it per thread only, so live threads' schedstat."""
+    """(on a CPU, waiting in a run queue) in seconds; the kernel keeps the wait per live thread only."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     wait = 0
@@ -192,7 +174,6 @@ def _snapshot(system: PDSystem, pids: dict[str, int]) -> dict[str, float]:
 
 
 def workload(n: int) -> list[WorkItem]:
-    """n distinct prompts of PROMPT_TOKENS byte tokens (6 blocks), deterministic."""
     return [WorkItem(i, [(7 * i + 13 * k) % 251 + 1 for k in range(PROMPT_TOKENS)], MAX_TOKENS) for i in range(n)]
 
 
@@ -200,32 +181,9 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-class _FdPeak:
-    """Samples a process's descriptor count on a thread while a phase runs."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak = pid, _fds(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fd-peak", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak = max(self.peak, _fds(self.pid))
-
-    def __enter__(self) -> _FdPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.peak = max(self.peak, _fds(self.pid))
-
-
 @contextmanager
 def stranger(flood: Flood, target: str, counts: list[int]) -> Iterator[int]:
-    """The flood running, in place (the stranger said `ready`); on exit stopped, and the connections D
-    closed on it (its `dropped N`) appended to `counts`."""
+    """The flood, once in place; on exit stopped, and the connections D closed on it appended to `counts`."""
     proc = Supervised(f"stranger-{flood.mode}", [sys.executable, "-m", "kvferry.harness.stranger", flood.mode,
                                                   target, *flood.args, "--seconds", "900"])
     try:
@@ -255,7 +213,7 @@ def _send(url: str, items: Sequence[WorkItem]) -> list[RequestResult]:
 
 
 def _settle(pid: int, base: int) -> None:
-    """Wait (bounded) until the flooded process is back near its descriptors: the next phase is quiet."""
+    """Until the flooded process is back near its descriptors: the next phase is quiet."""
     deadline = time.monotonic() + SETTLE_S
     while _fds(pid) > base + 8:
         if time.monotonic() > deadline:
@@ -281,13 +239,14 @@ def measure(system: PDSystem, flood: Flood, items: Sequence[WorkItem],
         with contextlib.ExitStack() as stack:
             if flooding:
                 pids["stranger"] = stack.enter_context(stranger(flood, target, counts))
-                fds = stack.enter_context(_FdPeak(victim.pid))
+                fds = Periodic(lambda: _fds(victim.pid), 0.05, "fd-peak")
+                stack.callback(fds.stop, 5, True)
             before = _snapshot(system, pids)
             results = _send(system.proxy.url, [items[i] for i in part])
             usage[flooding].add(before, _snapshot(system, pids))
             pids.pop("stranger", None)
         if flooding:
-            peak = max(peak, fds.peak)
+            peak = max(peak, *map(int, fds.samples))
             _settle(victim.pid, base)
         for i, result in zip(part, results, strict=True):
             phases[flooding].add(result, expected[i])
@@ -300,7 +259,6 @@ def measure(system: PDSystem, flood: Flood, items: Sequence[WorkItem],
 
 
 def run(json_path: str | None = None, quick: bool = False, requests: int | None = None) -> list[dict[str, Any]]:
-    """`requests` per phase (quiet and flood each; default 100, --quick 20)."""
     n = requests or (20 if quick else 100)
     items = workload(n + n % 2)
     load0 = os.getloadavg()[0]

@@ -1,15 +1,6 @@
-"""`kvferry bench lease`: how long P holds a prefill's blocks after the D pulling them dies or hangs.
-
-For each repetition P prefills a request and D pulls it while P sits on the write (`slow` fault, a
-write that D's lease can cancel like a real one); then D gets `kill -9` or SIGSTOP (at a random phase of
-its heartbeats), and we time until P's block pool is whole again (`/debug/state`: blocks_free ==
-blocks_total). D stops heartbeating, so its lease (7 × 0.25 s) runs out, P cancels the writes to it and
-frees the blocks well before the abort timeout (30 s here). D is restarted after each repetition.
-
-Then starved but alive: 40 requests (12 with --quick) through each of two P/D systems at once, one
-with adaptive liveness (the default) and one with the fixed thresholds (`--heartbeat-ceiling 0`),
-while 3 CPU hogs per core spin, and again while P or D is also frozen in bursts (SIGSTOP/SIGCONT, the
-same for both systems): false `peer_dead` failures and P's expired leases, counted from /metrics."""
+"""`kvferry bench lease`: how long P holds a prefill's blocks after the D pulling them dies or hangs (D's
+lease runs out, P cancels the writes), then false `peer_dead`s and expired leases while CPU hogs starve
+two live P/D systems, adaptive liveness beside fixed thresholds."""
 
 from __future__ import annotations
 
@@ -55,20 +46,15 @@ def one(system: PDSystem, rng: random.Random, sig: signal.Signals) -> float:
     return elapsed
 
 
-# ---- oversubscribed: slow is not dead ------------------------------------------------------------
+# ---- oversubscribed: slow is not dead -----------------------------------------------------------------
 HOGS_PER_CORE = 3
-# (name, extra serve flags): the same build, adaptive (default) and with fixed thresholds.
 VARIANTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("adaptive (default)", ()),
-    ("fixed (--heartbeat-ceiling 0)", ("--heartbeat-ceiling", "0")),
-)
-# P sits 0.5 s on every write, so D's heartbeats and P's lease matter.
-LOADED_FAULTS = "slow=500"
+    ("adaptive (default)", ()), ("fixed (--heartbeat-ceiling 0)", ("--heartbeat-ceiling", "0")))
+LOADED_FAULTS = "slow=500"  # P sits 0.5 s on every write, so D's heartbeats and P's lease matter
 IN_FLIGHT = 4  # requests at a time per system: both engines busy, not just the hogs
 PROMPT_TOKENS = (200, 1500)
-# Stutter: P or D (of every system at once) gets no CPU at all for 0.15 s + Exp(mean 0.45 s), at most
-# 2.5 s (1 in 20 over 1.5 s), then runs 0.3-1 s: the bursts a starved process lives through.
-STALL_S = (0.15, 0.45, 2.5)
+# Stutter, the bursts a starved process lives through: P or D (of every system) frozen, then run 0.3-1 s.
+STALL_S = (0.15, 0.45, 2.5)  # frozen for base + Exp(mean) s, at most `most`
 RUN_S = (0.3, 1.0)
 
 
@@ -138,9 +124,8 @@ def _drive(system: PDSystem, prompts: list[list[int]], out: dict[str, Any]) -> N
 def oversubscribed(n: int, stutter: bool = False, nice: int = 0,
                    variants: Sequence[tuple[str, Sequence[str]]] = VARIANTS,
                    env: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
-    """`n` requests through each variant's P/D system, all systems at once, while 3 processes per core
-    spin (and, with `stutter`, P or D is frozen in bursts): nothing is killed, so every `peer_dead`
-    is false and every expired lease a needless one."""
+    """`n` requests through each variant's P/D system at once among CPU hogs (with `stutter`, P or D frozen
+    in bursts): nothing is killed, so every `peer_dead` is false and every expired lease needless."""
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(*PROMPT_TOKENS))] for _ in range(n)]
     systems: list[PDSystem] = []
@@ -149,8 +134,7 @@ def oversubscribed(n: int, stutter: bool = False, nice: int = 0,
     stutterer = threading.Thread(target=_stutter, args=(systems, stop, stalls))
     try:
         for name, flags in variants:
-            # Under `nice` (it execs: the pid stays ours) the servers are a pod with a small CPU share on a
-            # busy node; `env` may point a variant at another build (PYTHONPATH) for a before/after run.
+            # `nice`: a pod with a small CPU share on a busy node; `env`: another build (PYTHONPATH).
             config = PDSystemConfig(policy="fail", faults=LOADED_FAULTS, num_blocks=1024, abort_timeout=30.0,
                                     kv_load_deadline=120.0, serve_args=tuple(flags), env=(env or {}).get(name, {}),
                                     prefix=("nice", "-n", str(nice)) if nice else (), health_timeout=120.0)
@@ -161,7 +145,8 @@ def oversubscribed(n: int, stutter: bool = False, nice: int = 0,
         if stutter:
             stutterer.start()
         results: list[dict[str, Any]] = [{} for _ in systems]
-        drivers = [threading.Thread(target=_drive, args=(s, prompts, out)) for s, out in zip(systems, results, strict=True)]
+        drivers = [threading.Thread(target=_drive, args=(s, prompts, out))
+                   for s, out in zip(systems, results, strict=True)]
         for t in drivers:
             t.start()
         for t in drivers:
@@ -187,18 +172,13 @@ def _row(name: str, load: str, system: PDSystem, out: dict[str, Any]) -> dict[st
     codes: dict[str, int] = out.get("codes", {})
     rtt = "kvferry_heartbeat_rtt_seconds_bucket"
     acks = d.value("kvferry_heartbeat_rtt_seconds_count")
-    return {
-        "load": load,
-        "liveness": name,
-        "requests": sum(codes.values()),
-        "ok": codes.get("ok", 0),
-        "false peer_dead": int(d.value("kvferry_kv_load_failures_total", cause="peer_dead")),
-        "leases expired": int(p.value("kvferry_kv_leases_expired_total")),
-        "other failures": ", ".join(f"{k} {v}" for k, v in sorted(codes.items()) if k not in ("ok", "peer_dead")) or "0",
-        "acks > 0.5 s": int(acks - d.value(rtt, le="0.5")),
-        "acks > 1 s": int(acks - d.value(rtt, le="1.0")),
-        "seconds": out.get("seconds"),
-    }
+    other = ", ".join(f"{k} {v}" for k, v in sorted(codes.items()) if k not in ("ok", "peer_dead")) or "0"
+    return {"load": load, "liveness": name, "requests": sum(codes.values()), "ok": codes.get("ok", 0),
+            "false peer_dead": int(d.value("kvferry_kv_load_failures_total", cause="peer_dead")),
+            "leases expired": int(p.value("kvferry_kv_leases_expired_total")), "other failures": other,
+            "acks > 0.5 s": int(acks - d.value(rtt, le="0.5")),
+            "acks > 1 s": int(acks - d.value(rtt, le="1.0")),
+            "seconds": out.get("seconds")}
 
 
 def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:

@@ -1,12 +1,8 @@
-"""`kvferry bench load_faults`: the ordinary life of a deployment under load, in the shape of NVIDIA
-Dynamo's published fault table (8 clients x 100 requests; kill -9 of a P, of a D, each restarted after
-5 s), plus a rolling restart (SIGTERM of every instance in turn, each started again at its ports).
+"""`kvferry bench load_faults`: faults under load in the shape of NVIDIA Dynamo's published table (kill -9
+of a P, of a D, each back after 5 s), plus a rolling restart, on proxy + 2 P + 2 D.
 
-proxy + 2 P + 2 D on loopback, every request a stream through the proxy (temperature 0, 24 tokens), and
-an answer counts as ok only when its stream ends with [DONE] and its text equals the fault-free text.
-`recovery_s`: from the fault until the first request sent after it is answered ok (how long new traffic
-is turned away or stalls); `worst_s`: the slowest request of the run. The table's title quotes
-Dynamo's published figures beside ours."""
+An answer is ok only when its stream ends with [DONE] and its text is the fault-free one. `recovery_s`:
+from the fault until the first request sent after it is answered ok."""
 
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ class Result:
 
 
 def _system() -> PDSystem:
-    """proxy + 2 P + 2 D; a restarted instance comes back at its address."""
     return PDSystem(PDSystemConfig(num_blocks=1024, serve_args=("--heartbeat-timeout", "3.0"), prefill=Role(count=2),
                                    decode=Role(count=2), proxy_args=("--health-interval", "0.5"),
                                    health_timeout=90.0))
@@ -101,8 +96,9 @@ def _kill_and_restart(name: str) -> Callable[[PDSystem], None]:
     def fault(system: PDSystem) -> None:
         system.procs[name].signal(signal.SIGKILL)
         system.procs[name].popen.wait(10)
-        time.sleep(RESTART_AFTER_S)  # the scenario: the instance comes back 5 s later
+        time.sleep(RESTART_AFTER_S)
         system.restart(name)
+
     return fault
 
 
@@ -117,7 +113,6 @@ def _rolling(system: PDSystem) -> None:
 
 
 def _serving_d(system: PDSystem) -> str | None:
-    """The name of the D running a request now (None: none yet)."""
     for name in system.names("decode"):
         try:
             state = httpx.get(f"{system.procs[name].url}/debug/state", timeout=5).json()
@@ -129,8 +124,7 @@ def _serving_d(system: PDSystem) -> str | None:
 
 
 def _migration_row(kills: int) -> dict[str, Any]:
-    """`kills` long streams, each with the D serving it killed (kill -9) mid-stream and restarted after;
-    ok = the client's whole text equals the fault-free text (alternately temperature 0 and seeded 0.8)."""
+    """`kills` long streams, each with its D killed mid-stream; ok = the whole text is the fault-free one."""
     ok, resumed_s = 0, []
     with _system() as system:
         url = system.proxy.url

@@ -1,15 +1,8 @@
 """`kvferry bench model`: prefill and decode tokens/s of kvferry's numpy engine on SmolLM2, beside
-transformers (torch, CPU, float32) on the same weights in the same run when torch is installed.
+transformers (torch, CPU, float32) on the same weights when torch is installed, at one thread count.
 
-Both sides use the same thread count (`--blas-threads`, default 1: kvferry's determinism needs one
-count everywhere). Prefill: one prompt of N tokens, one call. Decode: 32 tokens at batch 1, greedy,
-after a 128-token prompt, then 32 steps of 8 sequences decoding together (numpy: one `forward_batch`
-per step, as the engine runs them; transformers: a batch of 8 equal-length prompts).
-
-What batch invariance costs: the batch-8 decode again with every generated row's linear layers as one
-plain matrix product of the whole batch (`x @ W.T`, what a batched engine would do), beside ours, and
-whether a sequence's logits in that batch are still the bits it gets alone (OpenBLAS picks its kernel by
-the product's height, so they are not: that is why the engine does not do it)."""
+It also times batch-8 decode with plain `x @ W.T` products and checks whether a sequence still gets its
+lone bits: OpenBLAS picks its kernel by the product's height, which is why the engine does not do it."""
 
 from __future__ import annotations
 
@@ -59,7 +52,6 @@ def _numpy_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int) -> tupl
 
 @contextlib.contextmanager
 def _plain_matmul() -> Iterator[None]:
-    """Generated rows meet every weight in one plain `x @ W.T` of the whole batch (not batch-invariant)."""
     from kvferry.engine.model_math import RowWeight
 
     invariant = RowWeight.apply
@@ -72,7 +64,7 @@ def _plain_matmul() -> Iterator[None]:
 
 def _numpy_batch_decode(model: Any, rng: np.random.Generator, decode_tokens: int) -> tuple[float, bool]:
     """Aggregate tok/s of DECODE_BATCH sequences decoding together, and whether the first one's last
-    logits are the bits it gets decoding alone."""
+    logits are the bits it gets alone (replayed over the same cache, whose K/V the batch wrote)."""
     from kvferry.engine.model import SeqChunk
 
     blocks = -(-(128 + decode_tokens) // BLOCK_SIZE)
@@ -89,7 +81,6 @@ def _numpy_batch_decode(model: Any, rng: np.random.Generator, decode_tokens: int
         batch_logits = model.forward_batch(cache, BLOCK_SIZE, chunks)
         last = [int(np.argmax(logits)) for logits in batch_logits]
     elapsed = time.perf_counter() - begin
-    # Replay the first sequence alone over the same cache: its own K/V were written by the batch.
     alone = first_alone
     for i in range(decode_tokens):
         logits = model.forward(cache, BLOCK_SIZE, [alone], 128 + i, tables[0], 128)
@@ -128,8 +119,7 @@ def _transformers_rows(spec: str, lengths: tuple[int, ...], decode_tokens: int, 
 
 def run(json_path: str | None, quick: bool = False, model: str = "smollm2") -> list[dict[str, Any]]:
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS", "1"))
-    lengths = (128,) if quick else PREFILL_LENGTHS
-    decode_tokens = 8 if quick else DECODE_TOKENS
+    lengths, decode_tokens = ((128,), 8) if quick else (PREFILL_LENGTHS, DECODE_TOKENS)
     ours, plain_alike = _numpy_rows(model, lengths, decode_tokens)
     try:
         theirs: dict[str, float] | None = _transformers_rows(model, lengths, decode_tokens, threads)
@@ -139,13 +129,9 @@ def run(json_path: str | None, quick: bool = False, model: str = "smollm2") -> l
     rows = []
     for key, value in ours.items():
         other = None if theirs is None else theirs.get(key)
-        rows.append({
-            "what": _label(key, decode_tokens, plain_alike),
-            "numpy tok/s": round(value, 1),
-            "transformers tok/s": None if other is None else round(other, 1),
-            "ratio": None if other is None else round(value / other, 2),
-            "threads": threads,
-        })  # fmt: skip
+        rows.append({"what": _label(key, decode_tokens, plain_alike), "numpy tok/s": round(value, 1),
+                     "transformers tok/s": None if other is None else round(other, 1),
+                     "ratio": None if other is None else round(value / other, 2), "threads": threads})
     report(f"kvferry bench model: {model}, numpy engine vs transformers (float32, CPU)", rows, json_path)
     return rows
 

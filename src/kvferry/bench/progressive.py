@@ -1,31 +1,16 @@
 """`kvferry bench progressive`: what progressive push buys in TTFT.
 
-Two P/D systems run side by side (each a proxy, P and D; harness/system.py), the same but for P's
-`--progressive-push` (on, with `--progressive-min-tokens 0` so the short prompts show what it would do
-there too) and `--no-progressive-push`, beside one colocated instance; every process with one BLAS
-thread and the default `--max-prefill-chunk` (256). For each prompt length the same prompts go to the
-three in turn, streamed, one request at a time, greedy; the outputs must be identical, or the bench
-raises. Per length and link (p50 over the prompts):
-- ttft_*_ms: time to the response headers (an instance answers once the first token exists);
-- prefill_ms: P's own TTFT for the request (its `kvferry_time_to_first_token_seconds`: P's prefill);
-- transfer_ms: the transfer alone, from the system without progressive push: D's
-  `kvferry_kv_transfer_seconds` (P's first write into D's memory to P's FINISH), after the prefill;
-- over_on_ms / over_off_ms: what P/D adds to TTFT over colocated. Two processes' prefills of one prompt
-  differ by seconds on a shared box, far more than a loopback transfer, so per request it is the
-  client's TTFT minus P's own TTFT (the proxy, the transfer after the prefill, D's step), less the same
-  for the colocated instance (its HTTP path); over_on_vs_transfer: over_on / transfer (the goal: at
-  most 0.25); parts: partial writes per request (`kvferry_progressive_writes_total`).
-Links: loopback, then (root with `ip` and `tc`) a shaped one: both P in a network namespace behind a
-veth pair (harness/network.py) with `tc tbf`, at the rate that makes the transfer of the reference
-prompt's KV alone take as long as its colocated prefill; D, the proxies and the colocated instance on
-the host. Every instance must end with every KV block free, or the bench raises."""
+Two P/D systems, the same but for P's progressive push, beside one colocated instance; the same prompts
+go to the three in turn and the outputs must be identical. `over_*_ms` is what P/D adds to TTFT over
+colocated, taken per request as the client's TTFT minus P's own (two processes' prefills of one prompt
+differ by more than a loopback transfer). With root, `ip` and `tc`, a second pass puts P behind a veth
+pair shaped so that the reference prompt's KV takes as long to move as its prefill."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-import random
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvferry.bench.e2e import stream_completion
+from kvferry.bench.e2e import prompts, stream_completion
 from kvferry.bench.report import report
 from kvferry.harness.client import percentile
 from kvferry.harness.network import VethLink
@@ -72,8 +57,8 @@ class Series:
 
 @dataclass(frozen=True)
 class Sample:
-    """One request: the client's TTFT, and from the instances' /metrics deltas: the serving instance's own
-    TTFT (P's, for P/D), D's transfer seconds, P's partial writes, the KV bytes D received."""
+    """One request: the client's TTFT, and /metrics deltas: the serving instance's own TTFT (P's for P/D),
+    D's transfer seconds, P's partial writes, the KV bytes D received."""
 
     ttft: float
     own_ttft: float
@@ -88,11 +73,6 @@ class Systems:
     colocated: str
     on: tuple[str, str, str]  # proxy, P, D
     off: tuple[str, str, str]
-
-
-def prompts(length: int, count: int) -> list[list[int]]:
-    rng = random.Random(f"kvferry-progressive-{SEED}-{length}")
-    return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
 
 def _one(client: httpx.Client, urls: tuple[str, ...], prompt: list[int]) -> Sample:
@@ -112,10 +92,10 @@ def measure(systems: Systems, plan: Sequence[tuple[int, int]], link: str) -> lis
     rows: list[dict[str, Any]] = []
     with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)) as client:
         for url in (systems.colocated, systems.on[0], systems.off[0]):  # warm-up, not measured
-            stream_completion(client, url, prompts(64, 1)[0], OUTPUT_TOKENS)
+            stream_completion(client, url, prompts(64, 1, SEED, "progressive")[0], OUTPUT_TOKENS)
         for length, reps in plan:
             s = Series()
-            for i, prompt in enumerate(prompts(length, reps)):
+            for i, prompt in enumerate(prompts(length, reps, SEED, "progressive")):
                 base = _one(client, (systems.colocated,), prompt)
                 on, off = _one(client, systems.on, prompt), _one(client, systems.off, prompt)
                 if not base.text == on.text == off.text:
@@ -139,13 +119,12 @@ def _row(link: str, length: int, reps: int, s: Series) -> dict[str, Any]:
     ms = {name: 1000.0 * (percentile(values, 50) or 0.0) for name, values in (
         ("colocated", s.colocated), ("on", s.on), ("off", s.off), ("prefill", s.prefill), ("transfer", s.transfer),
         ("over_on", s.over_on), ("over_off", s.over_off))}
-    return {
-        "link": link, "prompt_tokens": length, "reps": reps,
-        "ttft_colocated_ms": ms["colocated"], "ttft_progressive_ms": ms["on"], "ttft_after_prefill_ms": ms["off"],
-        "prefill_ms": ms["prefill"], "transfer_ms": ms["transfer"], "over_on_ms": ms["over_on"],
-        "over_off_ms": ms["over_off"], "over_on_vs_transfer": ms["over_on"] / ms["transfer"] if ms["transfer"] else None,
-        "parts": percentile(s.parts, 50), "kv_mib": (percentile(s.kv_bytes, 50) or 0.0) / 2**20,
-    }
+    return {"link": link, "prompt_tokens": length, "reps": reps,
+            "ttft_colocated_ms": ms["colocated"], "ttft_progressive_ms": ms["on"],
+            "ttft_after_prefill_ms": ms["off"], "prefill_ms": ms["prefill"], "transfer_ms": ms["transfer"],
+            "over_on_ms": ms["over_on"], "over_off_ms": ms["over_off"],
+            "over_on_vs_transfer": ms["over_on"] / ms["transfer"] if ms["transfer"] else None,
+            "parts": percentile(s.parts, 50), "kv_mib": (percentile(s.kv_bytes, 50) or 0.0) / 2**20}
 
 
 @contextlib.contextmanager
@@ -174,8 +153,8 @@ def _shaped_rate(rows: Sequence[dict[str, Any]]) -> int:
 
 def run(json_path: str | None = None, quick: bool = False, model: str = "smollm2", *,
         plan: Sequence[tuple[int, int]] | None = None, shaped: bool | None = None) -> list[dict[str, Any]]:
-    """Loopback, then (unless `shaped` is False, or the box cannot: no root) the shaped link; `plan`
-    overrides the loopback plan (tests use a tiny one)."""
+    """Loopback, then (unless `shaped` is False or there is no root) the shaped link; `plan` overrides the
+    loopback plan (tests use a tiny one)."""
     plan = plan or (QUICK_PLAN if quick else FULL_PLAN)
     with _systems(model) as systems:
         rows = measure(systems, plan, "loopback")
@@ -187,8 +166,7 @@ def run(json_path: str | None = None, quick: bool = False, model: str = "smollm2
         try:
             link.cap(rate)
             with _systems(model, link) as systems:
-                for row in measure(systems, SHAPED_PLAN, f"tbf {rate * 8 / 1e6:.0f} Mbit/s"):
-                    rows.append(row)
+                rows += measure(systems, SHAPED_PLAN, f"tbf {rate * 8 / 1e6:.0f} Mbit/s")
         finally:
             link.close()
     report(f"kvferry bench progressive ({model}): TTFT with progressive push, after the prefill, colocated",

@@ -22,6 +22,7 @@ def ms(seconds: float | None) -> float | None:
 
 
 def report(title: str, rows: Sequence[dict[str, Any]], json_path: str | None = None) -> None:
+    """`rows` as a table (every column any row has) and, with `json_path`, as a JSON list."""
     columns: list[str] = []
     for row in rows:
         columns.extend(c for c in row if c not in columns)

@@ -1,9 +1,6 @@
-"""`kvferry bench scheduler`: per-step scheduler overhead with many requests parked for remote KV.
-
-The step here is everything the engine does per step except the model: schedule, connector metadata,
-worker report, update. A few requests keep decoding while 0, 1k or 10k wait for remote KV that never
-arrives; a scheduler that scanned parked requests would show it as growth. The three set-ups are
-stepped in interleaved rounds, so a noisy neighbour slows them alike."""
+"""`kvferry bench scheduler`: per-step scheduler overhead (no model) with 0, 1k or 10k requests parked for
+remote KV that never arrives; a scheduler that scanned parked requests would show it as growth. The
+set-ups are stepped in interleaved rounds, so a noisy neighbour slows them alike."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""`kvferry bench serve`: serving throughput and latency under concurrent load, colocated and P/D.
+"""`kvferry bench serve`: throughput and latency under concurrent load, colocated and P/D.
 
-One colocated instance (`kvferry serve --role both`) and one P/D system (P, D, `kvferry proxy`), both
-from `PDSystem`, run on free loopback ports, every process with single-threaded BLAS. For each concurrency
-(default 1, 4, 16, 64) the load client (kvferry.harness.client) sends `requests` streaming greedy
-completions (ignore_eos, `output_tokens` each) to one mode, then the other: closed loop (at most
-`concurrency` in flight, the next sent as one finishes), or with `--poisson RATE` arrivals of a Poisson
-process at RATE requests/s (still at most `concurrency` in flight). Prompts are byte tokens from a fixed
-seed: a pool of `pool` prompts, request i asks prompt i % pool, so the same prompt runs in many
-different batches.
-
-Figures: output tok/s and requests/s over the wall time of the level (first send to last answer); TTFT =
-time to the response headers (sent with the first token); ITL = the time between two stream events,
-spread over the tokens the later one brought. Every answer must be bit-identical to a one-at-a-time
-greedy run of its prompt in this process (`generate_greedy`: one sequence alone), or the bench raises
-(after printing the table): that is what batched decoding must not change."""
+Closed loop (at most `concurrency` in flight) or, with `--poisson RATE`, Poisson arrivals. Every answer
+must be bit-identical to a one-at-a-time greedy run of its prompt, or the bench raises: that is what
+batched decoding must not change."""
 
 from __future__ import annotations
 
@@ -64,7 +53,7 @@ def prompt_pool(count: int, seed: int = SEED) -> list[list[int]]:
 
 async def _poisson(url: str, items: Sequence[WorkItem], results: Sequence[RequestResult], t0: float,
                    concurrency: int, rate: float, seed: int) -> None:
-    """Open loop: request i is sent at the i-th arrival of a Poisson process (then waits for a slot)."""
+    """Request i is sent at the i-th arrival of a Poisson process (then waits for a slot)."""
     rng = random.Random(seed)
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
@@ -113,7 +102,6 @@ def _vllm_client(venv: Any, url: str, mode: str, concurrency: int, plan: ServePl
 
 
 def references(plan: ServePlan, pool: list[list[int]]) -> list[str]:
-    """Each prompt's answer from one sequence alone, prefilled in one call and decoded token by token."""
     from kvferry.engine.loader import load_model
 
     loaded = load_model(plan.model, SEED)
@@ -121,8 +109,6 @@ def references(plan: ServePlan, pool: list[list[int]]) -> list[str]:
 
 
 def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | None = None) -> list[dict[str, Any]]:
-    """Measure both modes at every concurrency, print the table (and --json); raises if an answer differs
-    from its one-at-a-time reference or a block leaks."""
     plan = plan or (QUICK if quick else ServePlan())
     pool = prompt_pool(plan.pool)
     # Every request of the widest level holds its prompt + output at once, with room to spare.
@@ -131,7 +117,7 @@ def run(json_path: str | None = None, quick: bool = False, *, plan: ServePlan | 
                                  serve_args=("--model", plan.model), abort_timeout=REQUEST_TIMEOUT_S,
                                  kv_load_deadline=REQUEST_TIMEOUT_S, colocated=True, health_timeout=180.0))
     rows: list[dict[str, Any]] = []
-    answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
+    answers: list[tuple[dict[str, Any], list[RequestResult]]] = []  # kvferry's
     vllm_answers: list[tuple[dict[str, Any], list[RequestResult]]] = []
     scratch = vllm_load.workdir() if plan.vllm else None
     venv = vllm_load.vllm_venv() if plan.vllm else None

@@ -1,23 +1,12 @@
-"""`kvferry bench transfer`: in-process numpy gather/scatter vs the TCP engine vs NIXL vs Mooncake TE.
+"""`kvferry bench transfer`: in-process numpy gather/scatter (memcpy) vs the TCP engine (plain and
+authenticated) vs NIXL vs Mooncake TE.
 
-- memcpy: `dst[dst_ids] = src[src_ids]` in this process (the limit); its repetitions alternate with
-  the TCP ones (same blocks), so the ratios compare runs made under the same load.
-- tcp: sender in this process, receiver in a subprocess (`kvferry.harness.peer`), so the two sides
-  do not share a GIL; CPU time is the sum of both processes.
-- tcp+auth: the same with a shared secret: every message's payload encrypted and tagged with AES-256-GCM
-  and verified before it lands (`transfer.tcp.mac`); its repetitions alternate with tcp's, so both see
-  the same load; `x_tcp` is encrypted ÷ plain.
-- nixl: the NIXL engine (`transfer.nixl`, UCX: cma on one host), sender here, receiver in a
-  subprocess as for tcp, with the bench secret; its rounds alternate with memcpy's and tcp's; skipped
-  when nixl is not installed.
-- mooncake: both engines in one subprocess inside a private network namespace (its listeners bind
-  every interface); skipped when it is not installed or no namespace can be made.
-Block ids are random permutations on both sides; every byte is verified with xxh3 outside the timed
-part; GB/s is the median over repetitions."""
+Receivers run in a subprocess so the two sides share no GIL; the backends' repetitions alternate so a
+noisy box loads them alike. Mooncake runs in a private network namespace (its listeners bind every
+interface). Every byte is verified with xxh3 outside the timed part; GB/s is the median."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -36,24 +25,14 @@ from kvferry.transfer.base import ByteRange, WriteOp
 MiB = 1 << 20
 GiB = 1 << 30
 # (layout, block KiB, total bytes per repetition); "contiguous" is one run of `total` bytes.
-LAYOUTS = [
-    ("paged", 2, 16 * MiB),
-    ("paged", 16, 64 * MiB),
-    ("paged", 64, 64 * MiB),
-    ("paged", 256, 64 * MiB),
-    ("contiguous", 16 * 1024, 16 * MiB),
-]
+LAYOUTS = [("paged", 2, 16 * MiB), ("paged", 16, 64 * MiB), ("paged", 64, 64 * MiB), ("paged", 256, 64 * MiB),
+           ("contiguous", 16 * 1024, 16 * MiB)]
 REGION = 64 * MiB
 
 Case = tuple[str, int, int]
 Result = tuple[float, float]  # median GB/s, CPU seconds per GiB
 Sample = tuple[float, float, int]  # seconds, CPU seconds, bytes of one verified repetition
 BENCH_SECRET = "kvferry-bench-secret-0f3kQ2pX7vL9mZ4wTq"  # >= 128 bits by transfer.secret's rules
-
-
-def _scale(quick: bool) -> tuple[int, int]:
-    """(repetitions, total divisor)."""
-    return (2, 4) if quick else (5, 1)
 
 
 def _plan(case: Case, div: int, rng: np.random.Generator) -> tuple[int, np.ndarray, np.ndarray]:
@@ -74,13 +53,16 @@ def _digest(mem: np.ndarray, bs: int, ids: np.ndarray) -> str:
     return str(h.hexdigest())
 
 
+def _ops(bs: int, si: np.ndarray, di: np.ndarray) -> list[WriteOp]:
+    return [WriteOp("src", s * bs, "dst", d * bs, bs) for s, d in zip(si.tolist(), di.tolist(), strict=True)]
+
+
 def _summary(samples: list[Sample]) -> Result:
     speeds = [n / dt / 1e9 for dt, _, n in samples]
     return statistics.median(speeds), sum(c for _, c, _ in samples) / (sum(n for _, _, n in samples) / GiB)
 
 
 def _measure(reps: int, once: Callable[[], Sample]) -> Result:
-    """`once` returns (seconds, cpu seconds, bytes) of one verified repetition."""
     return _summary([once() for _ in range(reps)])
 
 
@@ -107,15 +89,10 @@ def bench_tcp(cases: list[Case], reps: int, div: int, seed: int, secret: str | N
 
 def bench_tcp_modes(cases: list[Case], reps: int, div: int, seed: int, modes: dict[str, str | None],
                     memcpy: bool = False, nixl: frozenset[str] = frozenset()) -> dict[str, list[Result]]:
-    """One sender engine and one receiver process per mode (name → secret or None; the modes in `nixl`
-    use the NIXL engine); per case the modes' repetitions alternate (with `memcpy`, an in-process copy
-    of the same blocks goes first in each round, as "memcpy"), so a noisy box loads them alike."""
+    """One sender engine and receiver process per mode (name → secret or None; `nixl`: the NIXL modes); the
+    modes' repetitions alternate (with `memcpy` an in-process copy first), so a noisy box loads them alike."""
     from kvferry.harness.peer import PeerProcess
-    from kvferry.transfer.base import TransferEngine
     from kvferry.transfer.engines import new_engine
-
-    def engine_for(mode: str, secret: str | None) -> TransferEngine:
-        return new_engine("nixl" if mode in nixl else "tcp", secret=secret or b"")
 
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, REGION, np.uint8)
@@ -125,19 +102,16 @@ def bench_tcp_modes(cases: list[Case], reps: int, div: int, seed: int, modes: di
     with contextlib.ExitStack() as stack:
         ends = {}
         for mode, secret in modes.items():
-            engine = stack.enter_context(engine_for(mode, secret))
-            peer_env = {**env, "KVFERRY_SECRET": secret} if secret else env
             transfer = "nixl" if mode in nixl else "tcp"
+            engine = stack.enter_context(new_engine(transfer, secret=secret or b""))
+            peer_env = {**env, "KVFERRY_SECRET": secret} if secret else env
             peer = stack.enter_context(PeerProcess(REGION, env=peer_env, transfer=transfer))
             engine.register("src", src)
             ends[mode] = (engine, peer)
 
         def once(mode: str, bs: int, si: np.ndarray, di: np.ndarray) -> Sample:
             engine, peer = ends[mode]
-            ops = [
-                WriteOp("src", s * bs, "dst", d * bs, bs)
-                for s, d in zip(si.tolist(), di.tolist(), strict=True)
-            ]
+            ops = _ops(bs, si, di)
             peer.call("fill", value=0)
             token = peer.grant([ByteRange("dst", 0, REGION)])
             pc0 = peer.call("stats")["cpu"]
@@ -179,12 +153,9 @@ def _mooncake_worker(cfg: dict[str, Any]) -> list[Result]:
         out = []
         for case in cfg["cases"]:
 
-            def once(case: Case = tuple(case)) -> tuple[float, float, int]:  # type: ignore[assignment]
+            def once(case: Case = tuple(case)) -> Sample:  # type: ignore[assignment]
                 bs, si, di = _plan(case, cfg["div"], rng)
-                ops = [
-                    WriteOp("src", s * bs, "dst", d * bs, bs)
-                    for s, d in zip(si.tolist(), di.tolist(), strict=True)
-                ]
+                ops = _ops(bs, si, di)
                 dst.fill(0)
                 token = b.open_grant([ByteRange("dst", 0, REGION)])
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -221,12 +192,11 @@ def bench_mooncake(cases: list[Case], reps: int, div: int, seed: int) -> tuple[l
 
 def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any]]:
     from kvferry.bench.report import report
+    from kvferry.transfer.nixl import api as nixl_api
 
-    reps, div = _scale(quick)
+    reps, div = (2, 4) if quick else (5, 1)  # repetitions, divisor of each case's total bytes
     seed = 1234
     cases: list[Case] = list(LAYOUTS)
-    # memcpy rounds alternate with the TCP ones: the same-run ratio then holds on a drifting box.
-    from kvferry.transfer.nixl import api as nixl_api
 
     modes: dict[str, str | None] = {"tcp": None, "tcp+auth": BENCH_SECRET}
     if nixl_api.available():
@@ -239,18 +209,11 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     for i, (layout, kib, _) in enumerate(cases):
         for backend, res in results.items():
             gbps, cpu = res[i]
-            rows.append(
-                {
-                    "backend": backend,
-                    "layout": layout,
-                    "block_kib": kib,
-                    "GB/s": round(gbps, 3),
-                    "cpu_s_per_gib": round(cpu, 3),
-                    "x_memcpy": round(gbps / results["memcpy"][i][0], 3),
-                    "x_tcp": round(gbps / results["tcp"][i][0], 3) if backend in ("tcp+auth", "nixl") else None,
-                    "x_mooncake": round(gbps / mc[i][0], 2) if mc is not None else None,
-                }
-            )
+            rows.append({"backend": backend, "layout": layout, "block_kib": kib, "GB/s": round(gbps, 3),
+                         "cpu_s_per_gib": round(cpu, 3), "x_memcpy": round(gbps / results["memcpy"][i][0], 3),
+                         "x_tcp": round(gbps / results["tcp"][i][0], 3) if backend in ("tcp+auth", "nixl")
+                         else None,
+                         "x_mooncake": round(gbps / mc[i][0], 2) if mc is not None else None})
     report("kvferry bench transfer", rows, json_path)
     if why:
         print(f"mooncake skipped: {why}", file=sys.stderr)
@@ -259,20 +222,5 @@ def run(json_path: str | None = None, quick: bool = False) -> list[dict[str, Any
     return rows
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", dest="json_path", default=None, help="write the rows as a JSON list")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller transfers")
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args.json_path, quick=args.quick)
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--mooncake-worker":
-        print(json.dumps(_mooncake_worker(json.loads(sys.argv[2]))))
-        sys.exit(0)
-    p = argparse.ArgumentParser(prog="python -m kvferry.bench.transfer")
-    add_arguments(p)
-    sys.exit(main(p.parse_args()))
+if __name__ == "__main__" and sys.argv[1:2] == ["--mooncake-worker"]:  # bench_mooncake's subprocess
+    print(json.dumps(_mooncake_worker(json.loads(sys.argv[2]))))

@@ -1,15 +1,13 @@
-"""`kvferry chaos`: 1P1D + proxy under faults of every kind plus `kill -9` and SIGSTOP/SIGCONT of P at
-random moments (P restarted after a kill); then a verdict on stuck requests, leaked blocks, output
-mismatches, and (under `fail`) whether exactly the predicted requests failed with the predicted cause.
-
-The fault function is pure in (seed, name, transfer_id) and the proxy reports each request's
-transfer_id, so every outcome is predicted. Requests in flight while P was killed or frozen may also
-fail (peer_dead, or the proxy's 502 when P died mid-prefill): they are reported as "hit by P chaos"."""
+"""`kvferry chaos`: 1P1D + proxy under faults of every kind plus kill -9 and SIGSTOP of P at random moments;
+then a verdict on stuck requests, leaked blocks, output mismatches and, under `fail`, whether exactly the
+predicted requests failed with the predicted cause (the fault function is pure in the transfer_id).
+Requests in flight while P was killed or frozen may fail either way: they count as "hit by P chaos"."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import signal
@@ -26,7 +24,7 @@ from rich.text import Text
 from kvferry.connector.faults import FAULT_NAMES, FaultSpec
 from kvferry.harness.client import RequestResult, run_workload
 from kvferry.harness.progress import show_progress
-from kvferry.harness.sampler import wait_drained
+from kvferry.harness.sampler import blocks_held, wait_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig
 from kvferry.harness.trial import against_reference, trial, workload
 
@@ -106,9 +104,9 @@ class _PChaos(threading.Thread):
 
 
 def _hit(result: RequestResult, events: list[ChaosEvent]) -> bool:
-    if result.sent_at is None or result.finished_at is None:
-        return False
-    return any(result.sent_at <= e.end + 0.5 and e.start <= result.finished_at for e in events)
+    sent, done = result.sent_at, result.finished_at
+    return sent is not None and done is not None and any(sent <= e.end + 0.5 and e.start <= done
+                                                         for e in events)
 
 
 def judge(results: list[RequestResult], references: dict[int, str], spec: FaultSpec, policy: str,
@@ -161,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_process_chaos:
                 chaos = _PChaos(system, args.chaos_every, args.seed, t0)
                 chaos.start()
-            progress = _Progress(results, chaos, t0)
+            line = functools.partial(_progress, results, chaos, t0)
             live = not args.no_live and console.is_terminal
-            asyncio.run(show_progress(console, live, progress.view, progress.line,
+            asyncio.run(show_progress(console, live, lambda: Text(line()), line,
                                       run_workload(system.proxy.url, items, results, t0, args.concurrency, 120.0)))
             if chaos is not None:
                 chaos.halt.set()
@@ -175,37 +173,20 @@ def run(args: argparse.Namespace) -> int:
                 chaos.halt.set()
     events = chaos.events if chaos is not None else []
     verdict = judge(results, t.ref.results, spec, args.policy, events)
-    leaked = {
-        side: (None if s is None else int(s["blocks_total"] - s["blocks_free"]))
-        for side, s in zip(("P", "D"), states, strict=True)
-    }
+    leaked = {side: None if s is None else blocks_held(s) for side, s in zip(("P", "D"), states, strict=True)}
     report: dict[str, Any] = {
-        "requests": args.requests,
-        "policy": args.policy,
-        "faults": spec.to_spec(),
-        "outcomes": dict(verdict.outcomes),
-        "failed_by_cause": dict(verdict.failed_by_cause),
+        "requests": args.requests, "policy": args.policy, "faults": spec.to_spec(),
+        "outcomes": dict(verdict.outcomes), "failed_by_cause": dict(verdict.failed_by_cause),
         "predicted_faults": dict(Counter(spec.fault_for(r.transfer_id) or "none" for r in results if r.transfer_id)),
-        "p_chaos_events": [e.__dict__ for e in events],
-        "hit_by_p_chaos": verdict.hit_by_chaos,
-        "stuck": verdict.outcomes.get("stuck", 0),
-        "leaked_blocks": leaked,
-        "mismatched": len(verdict.mismatched),
-        "unchecked_outputs": len(verdict.unverified),
+        "p_chaos_events": [e.__dict__ for e in events], "hit_by_p_chaos": verdict.hit_by_chaos,
+        "stuck": verdict.outcomes.get("stuck", 0), "leaked_blocks": leaked,
+        "mismatched": len(verdict.mismatched), "unchecked_outputs": len(verdict.unverified),
         "errors": dict(Counter(f"{r.http_status} {r.error_message or ''}"[:120] for r in results if r.outcome == "error")),
-        "unexpected": verdict.unexpected[:50],
-        "num_unexpected": len(verdict.unexpected),
+        "unexpected": verdict.unexpected[:50], "num_unexpected": len(verdict.unexpected),
         "chaos_error": chaos.error if chaos is not None else None,
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    ok = (
-        report["stuck"] == 0
-        and all(v == 0 for v in leaked.values())
-        and not verdict.mismatched
-        and not verdict.unverified
-        and not verdict.unexpected
-        and report["chaos_error"] is None
-    )
+        "wall_s": round(time.monotonic() - started, 1)}
+    ok = (report["stuck"] == 0 and all(v == 0 for v in leaked.values()) and not verdict.mismatched
+          and not verdict.unverified and not verdict.unexpected and report["chaos_error"] is None)
     report["verdict"] = "PASS" if ok else "FAIL"
     _print(console, report)
     if args.json_path:
@@ -214,23 +195,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-class _Progress:
-    """What the live view shows: requests by outcome and the P kills/freezes so far."""
-
-    def __init__(self, results: list[RequestResult], chaos: _PChaos | None, t0: float) -> None:
-        self.results, self.chaos, self.t0 = results, chaos, t0
-
-    def line(self) -> str:
-        outcomes = Counter(r.outcome for r in self.results)
-        done = sum(n for k, n in outcomes.items() if k not in ("pending", "running"))
-        events = self.chaos.events if self.chaos is not None else []
-        last = f", last: {events[-1].kind} at {events[-1].start:.0f}s" if events else ""
-        counts = " ".join(f"{k} {n}" for k, n in sorted(outcomes.items()))
-        return (f"kvferry chaos: {time.monotonic() - self.t0:5.0f}s  {done}/{len(self.results)} done  "
-                f"({counts})  P events {len(events)}{last}")
-
-    def view(self) -> Text:
-        return Text(self.line())
+def _progress(results: list[RequestResult], chaos: _PChaos | None, t0: float) -> str:
+    """The live view: requests by outcome and the P kills/freezes so far."""
+    outcomes = Counter(r.outcome for r in results)
+    done = sum(n for k, n in outcomes.items() if k not in ("pending", "running"))
+    events = chaos.events if chaos is not None else []
+    last = f", last: {events[-1].kind} at {events[-1].start:.0f}s" if events else ""
+    counts = " ".join(f"{k} {n}" for k, n in sorted(outcomes.items()))
+    return (f"kvferry chaos: {time.monotonic() - t0:5.0f}s  {done}/{len(results)} done  "
+            f"({counts})  P events {len(events)}{last}")
 
 
 def _print(console: Console, report: dict[str, Any]) -> None:

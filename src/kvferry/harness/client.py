@@ -1,8 +1,5 @@
-"""The HTTP load client: deterministic workloads, streaming completions, outcomes and percentiles.
-
-`run_workload` sends OpenAI-style streaming completions with bounded concurrency, so TTFT is measured (an
-instance sends its response headers only once the first token exists, so TTFT is the time to the
-response headers); every outcome is classified (ok, failed with a cause, stuck, error)."""
+"""The HTTP load client: deterministic workloads, streaming completions, outcomes and percentiles. TTFT
+is the time to the response headers: an instance sends them only once the first token exists."""
 
 from __future__ import annotations
 
@@ -29,10 +26,8 @@ class WorkItem:
 
 def make_workload(n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[int, int] = (8, 32),
                   long_share: float = 0.12) -> list[WorkItem]:
-    """n requests of byte token ids, deterministic in (n, seed, ...).
-
-    Lengths: the block edges 1, 15, 16, 17 and one `max_prompt`, then mostly short (2..128), some medium
-    (129..512) and `long_share` long ones (513..max_prompt), shuffled so long prompts are spread out."""
+    """n requests of byte token ids, deterministic in (n, seed, ...): the block edges 1, 15, 16, 17 and
+    `max_prompt`, then mostly short, some medium and `long_share` long ones, shuffled to spread them out."""
     rng = random.Random(seed)
     edges = [k for k in (1, 15, 16, 17, max_prompt) if k <= max_prompt]
     lengths = edges[:n]
@@ -46,10 +41,8 @@ def make_workload(n: int, seed: int, max_prompt: int = 2000, max_tokens: tuple[i
             lengths.append(rng.randint(min(2, max_prompt), min(128, max_prompt)))
     rng.shuffle(lengths)
     lo, hi = max_tokens
-    return [
-        WorkItem(i, [rng.randrange(256) for _ in range(k)], rng.randint(lo, hi))
-        for i, k in enumerate(lengths)
-    ]
+    return [WorkItem(i, [rng.randrange(256) for _ in range(k)], rng.randint(lo, hi))
+            for i, k in enumerate(lengths)]
 
 
 @dataclass
@@ -79,7 +72,6 @@ class RequestResult:
 
     @property
     def itl(self) -> list[float]:
-        # The first stream event brings the first token.
         return [] if self.first_token_at is None else spread_itl(self.first_token_at, self.token_times)
 
     @property
@@ -89,11 +81,8 @@ class RequestResult:
         return self.finished_at - self.sent_at
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("text")
-        d.pop("token_times")
-        d["ttft_s"], d["latency_s"] = self.ttft, self.latency
-        return d
+        d = {k: v for k, v in asdict(self).items() if k not in ("text", "token_times")}
+        return d | {"ttft_s": self.ttft, "latency_s": self.latency}
 
 
 def _error_fields(content: bytes | str) -> tuple[str | None, str | None, str]:
@@ -116,9 +105,8 @@ def stream_body(prompt: list[int] | str, max_tokens: int, ignore_eos: bool = Tru
 
 @dataclass
 class CompletionStream:
-    """One OpenAI completion stream, fed line by line: each event's text and arrival (by `clock`) and the
-    completion tokens so far, until `[DONE]` or an error event ends it. Every streaming client reads
-    through it, so they all parse and time a stream alike."""
+    """One OpenAI completion stream, fed line by line until `[DONE]` or an error event; every streaming
+    client reads through it, so they all parse and time a stream alike."""
 
     clock: Callable[[], float]
     parts: list[str] = field(default_factory=list)  # each event's text, empty ones included
@@ -129,7 +117,7 @@ class CompletionStream:
     error_event: dict[str, Any] | None = None  # the event with "error" that ended the stream
 
     def feed(self, line: str) -> bool:
-        """Takes one line of the stream; False once the stream is over."""
+        """False once the stream is over."""
         if not line.startswith("data: "):
             return True
         if line == "data: [DONE]":
@@ -149,7 +137,6 @@ class CompletionStream:
         return True
 
     def read(self, lines: Iterable[str]) -> CompletionStream:
-        """Feeds `lines` until the stream is over."""
         for line in lines:
             if not self.feed(line):
                 break

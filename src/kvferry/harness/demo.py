@@ -1,25 +1,8 @@
 """`kvferry demo`: a P/D system on loopback runs a workload while faults are injected, then reports.
 
-It starts one prefill instance (P), one decode instance (D) and the proxy on free loopback ports, sends
-`--requests` streaming completions of mixed prompt lengths (1 to 2,000 byte tokens, 4 in flight), shows a
-live view, and ends with a report (and optionally --json / --plot). The colocated reference
-(`TinyLlama.generate_greedy`) is computed in a side process at nice 10 while the system runs, with the
-same BLAS thread count as P and D. Exit code 0 only if no request was stuck, no KV block leaked on P or
-D, every successful output matched the reference and every failure was a clean HTTP 500 with a cause
-(which only `--policy fail` may produce); 2 for bad options, 130 when interrupted.
-
-Where the figures come from:
-- requests ok / failed / stuck: the client (stuck = no complete answer within `--request-timeout`);
-- recomputed: deltas over the run of D's `kvferry_kv_load_failures_total` (under `recompute` every
-  failed load is recomputed on D) and `kvferry_recomputed_tokens_total` (streams carry no per-request
-  figure);
-- TTFT: time to the response headers (an instance answers only once the first token exists);
-- transfer time, bytes, GB/s: P's `kvferry_kv_transfer_seconds` / `_bytes_total` (the data-plane write;
-  D's histogram also counts the wait for P's prefill, since the proxy sends to P and D at once);
-  transfer share of TTFT = sum of P's transfer seconds / sum of TTFT of the successful requests;
-- leaked blocks: after the run, /debug/state is polled until blocks_free == blocks_total, no transfer
-  is pending and no request is held on both sides (deadline: `--abort-timeout` + 10 s, so leases that
-  P frees by timeout are waited for); what is still held at the deadline is the leak."""
+Exit code 0 only if no request was stuck, no KV block leaked, every successful output matched the
+colocated reference and every failure was a clean HTTP 500 with a cause; 2 for bad options, 130 when
+interrupted. Transfer figures come from P's histogram: D's also counts the wait for P's prefill."""
 
 from __future__ import annotations
 
@@ -82,7 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _drive(run: DemoRun, console: Console, live: bool) -> None:
-    """The run under the live view, and the sampler until the drain ends."""
     stop_sampling = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
         for side in ("p", "d"):  # the baseline of every metric delta
@@ -126,7 +108,6 @@ async def _phases(run: DemoRun, stop_sampling: asyncio.Event, sampling: asyncio.
 
 
 def _print_answers(console: Console, run: DemoRun, limit: int = 4) -> None:
-    """A few real answers, each marked with whether it equals the colocated reference."""
     shown = 0
     for item, result in zip(run.items, run.results, strict=True):
         if not item.question or result.outcome != "ok" or shown >= limit:
@@ -139,7 +120,6 @@ def _print_answers(console: Console, run: DemoRun, limit: int = 4) -> None:
         console.print(Text.assemble(("A ", "bold"), result.text.strip(), "  ", mark))
 
 
-# ---- entry point ------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
@@ -153,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens is None:
         args.max_tokens = (16, 32) if real else (8, 32)
     # A real model's prefill takes seconds on a loaded box: P must not give up on a pull that soon.
-    for name, real_default, tiny_default in (
-        ("abort_timeout", PDConfig.abort_timeout_s, 10.0), ("kv_load_deadline", PDConfig.kv_load_deadline_s, 20.0), ("request_timeout", 300.0, 90.0)
-    ):
+    for name, real_default, tiny_default in (("abort_timeout", PDConfig.abort_timeout_s, 10.0),
+                                             ("kv_load_deadline", PDConfig.kv_load_deadline_s, 20.0),
+                                             ("request_timeout", 300.0, 90.0)):
         if getattr(args, name) is None:
             setattr(args, name, real_default if real else tiny_default)
     if args.requests < 1 or args.concurrency < 1 or args.max_prompt < 1:

@@ -1,7 +1,4 @@
-"""`kvferry demo`'s live view: the requests by state on the client, P and D, the KV transfers, the blocks held.
-
-`render` is the rich view, redrawn while the demo runs; `plain_line` the one-line progress of a non-terminal.
-"""
+"""`kvferry demo`'s live view (`render`) and the one-line progress of a non-terminal (`plain_line`)."""
 
 from __future__ import annotations
 
@@ -15,23 +12,20 @@ from rich.table import Table
 from rich.text import Text
 
 from kvferry.harness.report import BYTES, RECOMPUTED, TRANSFERS, DemoRun
+from kvferry.harness.sampler import blocks_held
 
 
 def _status_counts(state: dict[str, Any] | None) -> dict[str, str]:
     if state is None:
         return {"waiting": "-", "remote": "-", "running": "-"}
     by = state.get("requests_by_status") or {}
-    return {
-        "waiting": str(int(by.get("WAITING", 0)) + int(by.get("PREEMPTED", 0))),
-        "remote": str(int(by.get("WAITING_FOR_REMOTE_KVS", 0))),
-        "running": str(int(by.get("RUNNING", 0))),
-    }
+    return {"waiting": str(int(by.get("WAITING", 0)) + int(by.get("PREEMPTED", 0))),
+            "remote": str(int(by.get("WAITING_FOR_REMOTE_KVS", 0))),
+            "running": str(int(by.get("RUNNING", 0)))}
 
 
 def _held(state: dict[str, Any] | None) -> str:
-    return (
-        "-" if state is None else f"{state['blocks_total'] - state['blocks_free']} / {state['blocks_total']}"
-    )
+    return "-" if state is None else f"{blocks_held(state)} / {state['blocks_total']}"
 
 
 def _field(state: dict[str, Any] | None, key: str) -> str:
@@ -79,8 +73,8 @@ def render(run: DemoRun, width: int = 120) -> Group:
 
     blocks = Table(title="KV blocks", title_style="bold", header_style="dim")
     blocks.add_column("", no_wrap=True)
-    blocks.add_column("P", justify="right", no_wrap=True)
-    blocks.add_column("D", justify="right", no_wrap=True)
+    for col in ("P", "D"):
+        blocks.add_column(col, justify="right", no_wrap=True)
     blocks.add_row("held", _held(p_state), _held(d_state))
     blocks.add_row("leases", _field(p_state, "pending_sends"), "")
     blocks.add_row("pulls", "", _field(d_state, "pending_pulls"))
@@ -104,9 +98,8 @@ def render(run: DemoRun, width: int = 120) -> Group:
 def plain_line(run: DemoRun) -> str:
     o = Counter(r.outcome for r in run.results)
     p_state, d_state = run.state("p"), run.state("d")
-    return (
-        f"[{time.monotonic() - run.started:5.1f}s] {run.phase}: ok {o['ok']}  failed {o['failed']}  "
-        f"in flight {o['running']}  queued {o['pending']}  stuck {o['stuck']}  error {o['error']}  "
-        f"transfers {run.delta('p', TRANSFERS):.0f}  load failures {sum(run.failures_by_cause().values())}  "
-        f"blocks held P {_held(p_state)} D {_held(d_state)}"
-    )
+    return (f"[{time.monotonic() - run.started:5.1f}s] {run.phase}: ok {o['ok']}  failed {o['failed']}  "
+            f"in flight {o['running']}  queued {o['pending']}  stuck {o['stuck']}  error {o['error']}  "
+            f"transfers {run.delta('p', TRANSFERS):.0f}  "
+            f"load failures {sum(run.failures_by_cause().values())}  "
+            f"blocks held P {_held(p_state)} D {_held(d_state)}")

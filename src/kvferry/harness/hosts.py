@@ -1,8 +1,6 @@
-"""Several "hosts" on one machine: each host is a network namespace with one address on a Linux bridge,
-and its own firewall (iptables, default-DROP INPUT). The bridge lives in a namespace of its own, so
-nothing is added to the machine's own network namespace and no packet can leave these namespaces.
-`tests/deploy/test_multi_host.py` runs P, D and vllm-router as three such hosts. Needs root, `ip` and
-`iptables` (`network.unavailable_reason` says why not)."""
+"""Several "hosts" on one machine: network namespaces on a Linux bridge, each with its own firewall. The
+bridge lives in a namespace of its own, so the machine's own network is untouched. Needs root, `ip` and
+`iptables`."""
 
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ def _setns(fd: int) -> None:
 
 @contextlib.contextmanager
 def inside(ns: str) -> Iterator[None]:
-    """Run the calling thread in network namespace `ns` until the block ends: the sockets it opens
-    meanwhile (and those of threads it starts meanwhile) live there. Other threads are unaffected."""
+    """The calling thread in network namespace `ns` until the block ends: sockets it (or threads it starts)
+    opens meanwhile live there; other threads are unaffected."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
@@ -54,8 +52,8 @@ class Allow:
 
 
 def firewall_commands(allows: Sequence[Allow]) -> list[list[str]]:
-    """The iptables commands of one host, in order: loopback and answers to what the host dialed, each
-    opening, then the default DROP (last, so that a remote shell applying them keeps its session)."""
+    """The iptables commands of one host: loopback, answers to what it dialed, each opening, then the
+    default DROP (last, so that a remote shell applying them keeps its session)."""
     commands = [
         ["iptables", "-A", "INPUT", "-i", "lo", "-j", "ACCEPT"],
         ["iptables", "-A", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
@@ -87,8 +85,8 @@ class Host(InNamespace):
 
 @dataclass
 class HostNetwork:
-    """Hosts on one bridge. `create` builds it; `close` deletes every namespace (and with them every
-    veth and the bridge), after killing any process still inside one of them (only ours can be)."""
+    """Hosts on one bridge; `close` deletes every namespace (with every veth and the bridge), after killing
+    any process still inside one (only ours can be)."""
 
     tag: str
     prefix_len: int

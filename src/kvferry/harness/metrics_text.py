@@ -1,6 +1,4 @@
-"""A /metrics page (Prometheus text format) as samples, read by prometheus_client's own parser.
-
-The harness (`sampler.parse_metrics`) and the benches (vLLM's /metrics) both read pages through here."""
+"""A /metrics page (Prometheus text format) as samples, read by prometheus_client's own parser."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`kvferry chaos --network`: P in its own network namespace, D and the proxy on the host, and network
-faults on the veth pair between them while load runs: random packet loss, a partition in the middle of
-transfers (then healed), a bandwidth cap. Verdict per scenario: nothing stuck, no block leaked once the
-link heals, every failure typed (an OpenAI error body with a type), and after healing every new request
-succeeds."""
+"""`kvferry chaos --network`: P in its own network namespace, loss, a partition and a bandwidth cap on the
+veth pair under load. A scenario passes when nothing is stuck, no block leaks, every failure is typed and
+every request after healing succeeds."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from rich.table import Table
 
 from kvferry.harness.client import make_workload, new_results, run_workload
 from kvferry.harness.network import VethLink, unavailable_reason
-from kvferry.harness.sampler import parse_metrics, wait_drained
+from kvferry.harness.sampler import blocks_held, parse_metrics, wait_drained
 from kvferry.harness.system import PDSystem, PDSystemConfig, Role
 
 SCENARIOS = ("loss", "partition", "cap")
@@ -37,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _system(link: VethLink, seed: int) -> PDSystem:
-    """P inside the namespace, D on the host end of the pair (taking pulls from P's address only), the proxy
-    on the host's loopback."""
+    """P inside the namespace, D on the host end of the pair (pulls from P's address only)."""
     return PDSystem(PDSystemConfig(
         seed=seed, num_blocks=2048, proxy_args=("--retries", "2", "--retry-unreachable", "6"), health_timeout=90.0,
         prefill=Role(args=("--abort-timeout", "5"), host=link.inner_ip, prefix=tuple(link.prefix)),
@@ -62,8 +59,7 @@ def _scenario(name: str, link: VethLink, system: PDSystem, args: argparse.Namesp
             link.loss(args.loss)
         elif name == "cap":
             link.cap(int(args.cap_mb * 1e6))
-        elif name == "partition":
-            # In the middle of transfers: once a few requests are through and more are in flight.
+        elif name == "partition":  # in the middle of transfers: a few requests through, more in flight
             while not halt.is_set() and sum(r.outcome != "pending" for r in results) < min(8, len(results)):
                 halt.wait(0.1)
             link.partition()
@@ -83,31 +79,23 @@ def _scenario(name: str, link: VethLink, system: PDSystem, args: argparse.Namesp
     wall = time.monotonic() - t0
     kv_mb_s = (_kv_bytes(system.decode.url) - bytes_before) / wall / 1e6
     states = wait_drained([system.prefill.url, system.decode.url], 40)
-    leaked = [None if s is None else int(s["blocks_total"] - s["blocks_free"]) for s in states]
+    leaked = [None if s is None else blocks_held(s) for s in states]
     after_items = make_workload(10, args.seed + 100 + index, max_prompt=600, max_tokens=(4, 8))
     after = new_results(after_items)
     asyncio.run(run_workload(system.proxy.url, after_items, after, time.monotonic(), concurrency=2, timeout=60.0))
     outcomes = Counter(r.outcome for r in results)
-    untyped = [f"#{r.index} {r.http_status} {r.error_message}" for r in results
-               if r.outcome in ("failed", "error") and not r.error_type]
-    row = {
-        "scenario": name,
-        "fault": {"loss": f"{args.loss:.0%} each way", "partition": f"{args.partition_s:.0f} s, then healed",
-                  "cap": f"{args.cap_mb:g} MB/s"}[name],
-        "requests": len(results),
-        "ok": outcomes.get("ok", 0),
-        "failed_typed": dict(Counter(f"{r.error_type}:{r.error_code}" for r in results
-                                     if r.outcome in ("failed", "error") and r.error_type)),
-        "untyped": untyped[:10],
-        "stuck": outcomes.get("stuck", 0),
-        "leaked_blocks": {"P": leaked[0], "D": leaked[1]},
-        "after_heal_ok": f"{sum(r.outcome == 'ok' for r in after)}/{len(after)}",
-        "kv_mb_per_s": round(kv_mb_s, 2),
-        "wall_s": round(wall, 1),
-    }
-    row["pass"] = (row["stuck"] == 0 and not untyped and leaked == [0, 0]
-                   and all(r.outcome == "ok" for r in after))
-    return row
+    failed = [r for r in results if r.outcome in ("failed", "error")]
+    untyped = [f"#{r.index} {r.http_status} {r.error_message}" for r in failed if not r.error_type]
+    fault = {"loss": f"{args.loss:.0%} each way", "partition": f"{args.partition_s:.0f} s, then healed",
+             "cap": f"{args.cap_mb:g} MB/s"}[name]
+    typed = Counter(f"{r.error_type}:{r.error_code}" for r in failed if r.error_type)
+    return {"scenario": name, "fault": fault, "requests": len(results), "ok": outcomes.get("ok", 0),
+            "failed_typed": dict(typed), "untyped": untyped[:10], "stuck": outcomes.get("stuck", 0),
+            "leaked_blocks": {"P": leaked[0], "D": leaked[1]},
+            "after_heal_ok": f"{sum(r.outcome == 'ok' for r in after)}/{len(after)}",
+            "kv_mb_per_s": round(kv_mb_s, 2), "wall_s": round(wall, 1),
+            "pass": outcomes.get("stuck", 0) == 0 and not untyped and leaked == [0, 0]
+            and all(r.outcome == "ok" for r in after)}
 
 
 def run(args: argparse.Namespace) -> int:

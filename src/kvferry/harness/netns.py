@@ -1,6 +1,5 @@
-"""Run a process in a private network namespace (only a loopback inside).
-
-Mooncake's listeners bind every interface without authentication, so its tests and bench run in one."""
+"""Run a process in a private network namespace (only a loopback inside): Mooncake's listeners bind every
+interface without authentication."""
 
 from __future__ import annotations
 

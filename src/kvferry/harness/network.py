@@ -1,8 +1,6 @@
-"""Network faults between P and D: P runs in a private network namespace joined to the host's by a
-veth pair; D, the proxy and the load client stay in the host namespace, D bound to the host end of the
-pair, so every byte between P and the others (HTTP, bootstrap, ZMQ control, TCP data plane) crosses
-the pair. Faults are applied on the pair: random loss (iptables `statistic`), a partition (DROP rules),
-a bandwidth cap (`tc tbf` on both ends). Needs root, `ip`, `iptables` and `tc`."""
+"""Network faults between P and D: P in a private network namespace joined to the host's by a veth pair,
+so every byte between P and the others crosses the pair, where loss, partitions and rate caps apply.
+Needs root, `ip`, `iptables` and `tc`."""
 
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ class InNamespace:
     ns: str
 
     @property
-    def prefix(self) -> list[str]:
-        """Command prefix that runs a program inside the namespace (`ip netns exec` keeps the pid)."""
+    def prefix(self) -> list[str]:  # `ip netns exec` keeps the pid
         return ["ip", "netns", "exec", self.ns]
 
     def exec(self, *cmd: str) -> None:
@@ -103,7 +100,6 @@ class VethLink(InNamespace):
              "latency", "500ms")
 
     def heal(self) -> None:
-        """Remove every fault: the link is clean again."""
         self.exec("iptables", "-F", "INPUT")
         self.exec("iptables", "-F", "OUTPUT")
         with contextlib.suppress(RuntimeError):
@@ -112,7 +108,7 @@ class VethLink(InNamespace):
             _run("tc", "qdisc", "del", "dev", self.outer, "root")
 
     def close(self) -> None:
-        """Delete the namespace (its veth end goes with it, and so does the host's); kill its processes first."""
+        """Delete the namespace and the host's veth end (either may be gone already)."""
         with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
             _run("ip", "netns", "del", self.ns)
         with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):

@@ -1,11 +1,7 @@
-"""A receiver in its own process, driven by JSON lines on stdin (used by the tests and the bench).
+"""A transfer receiver in its own process, driven by JSON lines on stdin (tests and the bench): honest
+numbers (no GIL shared with the sender), and it can be frozen or killed.
 
-    python -m kvferry.harness.peer --size BYTES [--region dst] [--transfer tcp|nixl]
-
-Prints `{"address": ..., "pid": ...}` once listening, then answers one JSON line per command:
-grant, written, close_grant, stats, fill, digest, and write (this process as the sender, from its
-region). Exits when stdin closes.
-A separate process gives honest numbers (no GIL shared with the sender) and can be frozen or killed."""
+    python -m kvferry.harness.peer --size BYTES [--region dst] [--transfer tcp|nixl]"""
 
 from __future__ import annotations
 
@@ -98,14 +94,9 @@ class PeerProcess:
     def __init__(self, size: int, region: str = "dst", env: dict[str, str] | None = None,
                  transfer: str = "tcp") -> None:
         self.region = region
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.harness.peer", "--size", str(size), "--region", region,
-             "--transfer", transfer],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        argv = [sys.executable, "-m", "kvferry.harness.peer", "--size", str(size), "--region", region,
+                "--transfer", transfer]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.pid = self.proc.pid
         try:
             hello = self._read()

@@ -1,7 +1,4 @@
-"""`kvferry demo --plot`: per-request latency with fault markers, transfer throughput, blocks held.
-
-One function per panel; `write_plot` lays them out and draws what they share (fault lines, the end of
-the workload)."""
+"""`kvferry demo --plot`: per-request latency with fault markers, transfer throughput, blocks held."""
 
 from __future__ import annotations
 
@@ -81,19 +78,14 @@ def throughput_panel(ax: Any, timeline: dict[str, Any], gbps: float | None) -> N
 
 
 def blocks_panel(ax: Any, timeline: dict[str, Any], leaked: dict[str, int]) -> None:
-    for key, label, color in (
-        ("p_state", "P (prefill) blocks held", "tab:green"),
-        ("d_state", "D (decode) blocks held", "tab:orange"),
-    ):
+    for key, label, color in (("p_state", "P (prefill) blocks held", "tab:green"),
+                              ("d_state", "D (decode) blocks held", "tab:orange")):
         pts = [(row["t"], row["blocks_held"]) for row in timeline[key]]
         if pts:
             ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=label, color=color)
     metrics = timeline["p_metrics"]
-    expiries = [
-        (row["t"], int(row["expired"] - prev_row["expired"]))
-        for prev_row, row in zip(metrics, metrics[1:], strict=False)
-        if row["expired"] > prev_row["expired"]
-    ]
+    expiries = [(row["t"], int(row["expired"] - prev["expired"]))
+                for prev, row in zip(metrics, metrics[1:], strict=False) if row["expired"] > prev["expired"]]
     for i, (t, n) in enumerate(expiries):
         expiry_label = "P lease expired (blocks freed by timeout)" if i == 0 else None
         ax.plot([t], [0.03], marker="^", color="tab:green", transform=ax.get_xaxis_transform(), ms=9,
@@ -128,13 +120,9 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(3, 1, figsize=(11, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]},
                              layout="constrained")
     ax1, ax2, ax3 = axes
-    cfg = report["config"]
-    verdict = "PASS" if report["ok"] else "FAIL"
-    fig.suptitle(
-        f"kvferry demo: {cfg['requests']} requests, policy {cfg['policy']}, "
-        f"faults {cfg['faults'] or 'none'}  [{verdict}]",
-        fontsize=11,
-    )
+    cfg, verdict = report["config"], "PASS" if report["ok"] else "FAIL"
+    fig.suptitle(f"kvferry demo: {cfg['requests']} requests, policy {cfg['policy']}, "
+                 f"faults {cfg['faults'] or 'none'}  [{verdict}]", fontsize=11)
     latency_panel(fig, ax1, list(axes), report["per_request"])
     fault_markers(ax1, [ax2, ax3], fault_events(timeline))
     throughput_panel(ax2, timeline, report["transfer"]["gbps"])

@@ -1,8 +1,6 @@
-"""Start, watch and stop child processes: `python -m kvferry serve|proxy` (`ManagedProcess`; a P/D system
-of them is `harness.system`), and (through `Supervised`) the benches' vLLM servers and the tests' routers.
-
-Every child is stopped (SIGTERM, a bounded wait, then SIGKILL), also when the caller fails: by its own
-pid, or by its process group when it was started in one (servers that start processes of their own)."""
+"""Start, watch and stop child processes: kvferry's own (`ManagedProcess`) and, through `Supervised`, the
+benches' vLLM servers and the tests' routers. Every child is stopped (SIGTERM, a bounded wait, SIGKILL)
+by pid, or by process group for servers that start processes of their own."""
 
 from __future__ import annotations
 
@@ -25,11 +23,8 @@ LOOPBACK = "127.0.0.1"
 BLAS_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-# Ports handed to children are picked below Linux's ephemeral range (32768-60999 by default): a port the
-# kernel gives to some bind(0) or outgoing connection meanwhile can then never collide with them.
-# A port is also never handed out twice by one process: a child that has not bound its port yet leaves it
-# free, and the next pick (say D's port right after P's) could be the same one: D would fail to bind,
-# and P would answer D's health checks and requests.
+# Below Linux's ephemeral range, so no bind(0) or outgoing connection takes a port meanwhile; never handed out
+# twice, since a child that has not bound its port yet leaves it free for the next pick.
 _PORT_RANGE = (20000, 32000)
 _port_rng = random.Random()
 _handed_out: set[int] = set()
@@ -68,19 +63,14 @@ def default_blas_threads() -> int:
         return 1
 
 
-# The deployment secret of every system this harness starts (unless the caller's environment has one):
-# demos, chaos, soaks, benches and tests run with authenticated control and data planes, as a
-# production deployment would.
+# Every system the harness starts authenticates its control and data planes, as a deployment would.
 HARNESS_SECRET = os.environ.get("KVFERRY_SECRET") or secrets.token_hex(16)
 
 
 class Supervised:
-    """One child process, its output in a temporary log file: stopped with a bounded wait, killed after it.
+    """One child process, its output in a temporary log file. `own_group`: the child leads a new session and
+    signals go to its whole group (its own children would outlive a signal to the leader alone)."""
 
-    `own_group`: the child leads a new session, and signals go to its whole process group (a server that
-    starts processes of their own, which would outlive a signal to the leader alone); else to its pid."""
-
-    # What terminate() sends (after SIGCONT).
     stop_signal = signal.SIGTERM
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, *,
@@ -88,8 +78,7 @@ class Supervised:
         self.name = name
         self.own_group = own_group
         self._log: IO[bytes] = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
-            prefix=f"{log_prefix}{name}-", suffix=".log", delete=False
-        )
+            prefix=f"{log_prefix}{name}-", suffix=".log", delete=False)
         self.log_path = self._log.name
         self.popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log,
                                       stderr=subprocess.STDOUT, env=None if env is None else dict(env),
@@ -105,10 +94,7 @@ class Supervised:
     def signal(self, sig: signal.Signals) -> None:
         """`sig` to the child (its whole group when it leads one); nothing if it is gone."""
         with contextlib.suppress(ProcessLookupError):
-            if self.own_group:
-                os.killpg(self.pid, sig)
-            else:
-                os.kill(self.pid, sig)
+            (os.killpg if self.own_group else os.kill)(self.pid, sig)
 
     def output_tail(self, chars: int = 4000) -> str:
         with contextlib.suppress(OSError):
@@ -118,15 +104,13 @@ class Supervised:
         return ""
 
     def terminate(self) -> None:
-        """Ask the process to exit (`stop_signal`; SIGCONT first in case it was stopped). A group is signalled
-        even after its leader exited: what the leader started may still run."""
+        """`stop_signal`, after a SIGCONT in case it was stopped; a group even after its leader exited."""
         if self.own_group or self.popen.poll() is None:
             self.signal(signal.SIGCONT)
             self.signal(self.stop_signal)
 
     def stop(self, timeout: float = 10.0, keep_log: bool = False) -> None:
-        """Terminate, wait up to `timeout` s, then SIGKILL (and a group's leftovers); close, and unless
-        `keep_log` remove, the log."""
+        """Terminate, wait up to `timeout` s, then SIGKILL (and a group's leftovers); remove the log."""
         if self.own_group or self.popen.poll() is None:
             self.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -143,10 +127,9 @@ class Supervised:
 
 
 class ManagedProcess(Supervised):
-    """One `python -m kvferry ...` child; output goes to a temporary log file, stop() is by pid."""
+    """One `python -m kvferry ...` child."""
 
-    # `kvferry serve` drains on SIGTERM (it exits once what it holds is served, up to its abort timeout);
-    # the harness stops its children now, as Ctrl-C does. A test of the drain sends SIGTERM itself.
+    # `kvferry serve` drains on SIGTERM; the harness stops its children at once, as Ctrl-C does.
     stop_signal = signal.SIGINT
 
     def __init__(self, name: str, args: Sequence[str], url: str, env: dict[str, str] | None = None,
@@ -177,8 +160,8 @@ def wait_all_healthy(procs: Sequence[ManagedProcess], timeout: float) -> None:
         for proc in list(pending):
             code = proc.exited()
             if code is not None:
-                raise RuntimeError(
-                    f"{proc.name} exited with {code} before it was healthy:\n{proc.output_tail()}")
+                raise RuntimeError(f"{proc.name} exited with {code} before it was healthy:\n"
+                                   f"{proc.output_tail()}")
             if proc.healthy():
                 pending.remove(proc)
         if not pending:

@@ -1,5 +1,4 @@
-"""Live progress for a run in the terminal (a redrawn rich view), or a plain line every few seconds when
-the output is not a terminal (CI logs, pipes)."""
+"""Live progress: a redrawn rich view in a terminal, a plain line every few seconds elsewhere."""
 
 from __future__ import annotations
 

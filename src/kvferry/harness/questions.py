@@ -1,5 +1,5 @@
-"""A real model's workload: short chat questions through the model's chat template, as token ids
-(so the proxy, P, D and the reference all see exactly the same prompt), answered until EOS."""
+"""A real model's workload: short chat questions through its chat template, as token ids, so the proxy,
+P, D and the reference all see the same prompt."""
 
 from __future__ import annotations
 
@@ -9,21 +9,12 @@ from kvferry.engine.text import TextCodec
 from kvferry.harness.client import WorkItem
 
 QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is 12 plus 30?",
-    "Which planet is known as the red planet?",
-    "Give me one tip for sleeping better.",
-    "What do bees make?",
-    "Translate 'good morning' into Spanish.",
-    "What is the boiling point of water in Celsius?",
-    "Who wrote Romeo and Juliet?",
-    "What is the largest ocean on Earth?",
-    "Write a haiku about the sea.",
-    "Why is the sky blue? Answer in one sentence.",
-    "What gas do plants take in from the air?",
-    "Suggest a name for a friendly robot.",
-    "How many legs does a spider have?",
+    "What is the capital of France?", "Name three primary colors.", "What is 12 plus 30?",
+    "Which planet is known as the red planet?", "Give me one tip for sleeping better.", "What do bees make?",
+    "Translate 'good morning' into Spanish.", "What is the boiling point of water in Celsius?",
+    "Who wrote Romeo and Juliet?", "What is the largest ocean on Earth?", "Write a haiku about the sea.",
+    "Why is the sky blue? Answer in one sentence.", "What gas do plants take in from the air?",
+    "Suggest a name for a friendly robot.", "How many legs does a spider have?",
     "What is the opposite of 'ancient'?",
 ]
 # Prepended to some questions so that a few prompts span many KV blocks.

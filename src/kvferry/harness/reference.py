@@ -1,6 +1,6 @@
-"""The colocated reference for demo and chaos: `generate_greedy` of the `--model` in a side process
-(`python -m kvferry.harness.reference`), at low CPU priority so that the system under test gets the CPU first,
-with the same BLAS thread count as the instances (greedy outputs are bit-identical only for one)."""
+"""The colocated reference for demo and chaos: `generate_greedy` in a side process at nice 10 (the system
+under test gets the CPU first), with the instances' BLAS thread count (greedy outputs are bit-identical
+only for one)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,7 @@ from kvferry.harness.processes import blas_env
 
 
 class ReferenceWorker:
-    """Greedy reference outputs from `TinyLlama.generate_greedy`, computed in a side process.
-
-    Items are written to the child as JSON lines; a reader thread collects `{"index", "text"}` answers.
-    The child runs at nice 10 so that the system under test gets the CPU first."""
+    """Items go to the child as JSON lines; a reader thread collects its `{"index", "text"}` answers."""
 
     def __init__(self, seed: int, blas_threads: int, model: str = "tiny") -> None:
         self.results: dict[int, str] = {}
@@ -39,11 +36,8 @@ class ReferenceWorker:
 
     def submit(self, items: Iterable[WorkItem]) -> None:
         """Hand the items to the child (from a thread: the pipe may be smaller than the workload)."""
-        lines = [
-            json.dumps({"index": item.index, "prompt": item.prompt, "max_tokens": item.max_tokens,
-                        "ignore_eos": item.ignore_eos}) + "\n"
-            for item in items
-        ]
+        lines = [json.dumps({"index": item.index, "prompt": item.prompt, "max_tokens": item.max_tokens,
+                             "ignore_eos": item.ignore_eos}) + "\n" for item in items]
         self.expected = len(lines)
         threading.Thread(target=self._write, args=("".join(lines).encode(),), daemon=True).start()
 

@@ -1,5 +1,4 @@
-"""`kvferry demo`: the state a run shares between its live view and its report, and the report (a
-dict for --json, and the rich table)."""
+"""`kvferry demo`: the state its live view and report share, and the report (a dict for --json, a table)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from rich.text import Text
 
 from kvferry.harness.client import RequestResult, WorkItem, percentile
 from kvferry.harness.reference import ReferenceWorker
-from kvferry.harness.sampler import SystemSampler
+from kvferry.harness.sampler import SystemSampler, blocks_held
 from kvferry.harness.system import PDSystem
 from kvferry.harness.trial import against_reference
 
@@ -29,8 +28,6 @@ EXPIRED = "kvferry_kv_leases_expired_total"
 
 @dataclass
 class DemoRun:
-    """Everything the live view and the report read."""
-
     args: argparse.Namespace
     system: PDSystem
     items: list[WorkItem]
@@ -50,8 +47,7 @@ class DemoRun:
         return series[-1][1].value(name) - series[0][1].value(name) if series else 0.0
 
     def failures_by_cause(self) -> dict[str, int]:
-        series = self.sampler.metrics["d"]
-        if not series:
+        if not (series := self.sampler.metrics["d"]):
             return {}
         before = series[0][1].by_label(FAILURES, "cause")
         out = {c: int(v - before.get(c, 0.0)) for c, v in series[-1][1].by_label(FAILURES, "cause").items()}
@@ -77,21 +73,19 @@ def _ms(value: float | None) -> float | None:
 
 
 def _leak(state: dict[str, Any] | None) -> int | None:
-    return None if state is None else int(state["blocks_total"]) - int(state["blocks_free"])
+    return None if state is None else blocks_held(state)
 
 
 def _timeline(run: DemoRun) -> dict[str, list[dict[str, Any]]]:
     """The sampled series, for --json and the plot (t = seconds since the workload started)."""
     sampler = run.sampler
-    return {
-        "p_metrics": [{"t": round(t, 3), "bytes": m.value(BYTES), "transfers": m.value(TRANSFERS),
+    return {"p_metrics": [{"t": round(t, 3), "bytes": m.value(BYTES), "transfers": m.value(TRANSFERS),
                        "expired": m.value(EXPIRED)} for t, m in sampler.metrics["p"]],
-        "d_metrics": [{"t": round(t, 3), "failures": m.by_label(FAILURES, "cause"),
-                       "recomputed": m.value(RECOMPUTED)} for t, m in sampler.metrics["d"]],
-        "p_state": [{"t": round(t, 3), "blocks_held": _leak(st), "pending_sends": st.get("pending_sends")}
-                    for t, st in sampler.states["p"]],
-        "d_state": [{"t": round(t, 3), "blocks_held": _leak(st)} for t, st in sampler.states["d"]],
-    }
+            "d_metrics": [{"t": round(t, 3), "failures": m.by_label(FAILURES, "cause"),
+                           "recomputed": m.value(RECOMPUTED)} for t, m in sampler.metrics["d"]],
+            "p_state": [{"t": round(t, 3), "blocks_held": _leak(st), "pending_sends": st.get("pending_sends")}
+                        for t, st in sampler.states["p"]],
+            "d_state": [{"t": round(t, 3), "blocks_held": _leak(st)} for t, st in sampler.states["d"]]}
 
 
 def _final_state(run: DemoRun, side: str) -> dict[str, Any] | None:
@@ -152,22 +146,13 @@ def build_report(run: DemoRun) -> dict[str, Any]:
                    "max_tokens": list(a.max_tokens), "p_tp": a.p_tp, "d_tp": a.d_tp,
                    "blas_threads": a.blas_threads, "abort_timeout_s": a.abort_timeout,
                    "kv_load_deadline_s": a.kv_load_deadline, "request_timeout_s": a.request_timeout},
-        "runtime_s": round(time.monotonic() - run.started, 2),
-        "workload_s": round(run.workload_s, 2),
-        "drain_s": round(run.drain_s, 2),
-        "workload_end_t": round(run.workload_end, 3),
+        "runtime_s": round(time.monotonic() - run.started, 2), "workload_s": round(run.workload_s, 2),
+        "drain_s": round(run.drain_s, 2), "workload_end_t": round(run.workload_end, 3),
         "drain_end_t": round(run.drain_end, 3),
-        "requests": {
-            "total": len(results),
-            "ok": len(ok),
-            "failed": len(failed),
-            "recomputed": sum(causes_d.values()) if a.policy == "recompute" else 0,
-            "stuck": outcomes["stuck"],
-            "error": outcomes["error"],
-            "mismatched": len(mismatched),
-            "unverified": len(unverified),
-            "checked": len(ok) - len(unverified),
-        },
+        "requests": {"total": len(results), "ok": len(ok), "failed": len(failed),
+                     "recomputed": sum(causes_d.values()) if a.policy == "recompute" else 0,
+                     "stuck": outcomes["stuck"], "error": outcomes["error"], "mismatched": len(mismatched),
+                     "unverified": len(unverified), "checked": len(ok) - len(unverified)},
         "failed_by_cause": dict(sorted(Counter(r.error_code or "none" for r in failed).items())),
         "kv_load_failures_by_cause": causes_d,
         "recomputed_tokens": int(run.delta("d", RECOMPUTED)),
@@ -177,14 +162,11 @@ def build_report(run: DemoRun) -> dict[str, Any]:
         "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99)),
                     "mean": _ms(sum(ttfts) / len(ttfts) if ttfts else None)},
         "latency_ms": {"p50": _ms(percentile(latencies, 50)), "p99": _ms(percentile(latencies, 99))},
-        "transfer": {
-            "count": int(run.delta("p", TRANSFERS)),
-            "bytes": int(p_bytes),
-            "seconds": round(p_seconds, 4),
-            "gbps": round(p_bytes / p_seconds / 1e9, 4) if p_seconds > 0 else None,
-            "share_of_ttft": round(p_seconds / sum(ttfts), 4) if ttfts else None,
-            "d_pull_seconds": round(run.delta("d", SECONDS), 4),
-        },
+        "transfer": {"count": int(run.delta("p", TRANSFERS)), "bytes": int(p_bytes),
+                     "seconds": round(p_seconds, 4),
+                     "gbps": round(p_bytes / p_seconds / 1e9, 4) if p_seconds > 0 else None,
+                     "share_of_ttft": round(p_seconds / sum(ttfts), 4) if ttfts else None,
+                     "d_pull_seconds": round(run.delta("d", SECONDS), 4)},
         "per_request": [r.as_dict() | {"matched": _matched(run, r)} for r in results],
         "timeline": _timeline(run),
     }
@@ -219,19 +201,16 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     row("recomputed", f"{q['recomputed']} requests, {report['recomputed_tokens']} prompt tokens")
     row("P leases expired (freed by timeout)", str(report["p_leases_expired"]))
     row("stuck", str(q["stuck"]), q["stuck"] == 0)
-    leaked = report["leaked_blocks"]
-    leak_ok = leaked["prefill"] == 0 and leaked["decode"] == 0
-    row("leaked blocks", f"P {leaked['prefill']}, D {leaked['decode']}", leak_ok)
-    row("output mismatches vs colocated",
-        f"{q['mismatched']} of {q['checked']} checked"
-        + (f" ({q['unverified']} unchecked)" if q["unverified"] else ""),
+    p_leak, d_leak = report["leaked_blocks"]["prefill"], report["leaked_blocks"]["decode"]
+    row("leaked blocks", f"P {p_leak}, D {d_leak}", p_leak == 0 and d_leak == 0)
+    unchecked = f" ({q['unverified']} unchecked)" if q["unverified"] else ""
+    row("output mismatches vs colocated", f"{q['mismatched']} of {q['checked']} checked{unchecked}",
         q["mismatched"] == 0 and q["unverified"] == 0)
     ttft = report["ttft_ms"]
     row("TTFT p50 / p99", f"{_fmt_ms(ttft['p50'])} / {_fmt_ms(ttft['p99'])}")
-    share = t["share_of_ttft"]
+    share, gbps = t["share_of_ttft"], t["gbps"]
     row("transfer share of TTFT",
         "-" if share is None else f"{share * 100:.1f} %  ({t['seconds']:.2f} s of transfer)")
-    gbps = t["gbps"]
     row("KV transferred", f"{t['count']} transfers, {t['bytes'] / 1e6:.1f} MB, "
         + ("-" if gbps is None else f"{gbps:.3f} GB/s"))
     row("wall time", f"{report['runtime_s']:.1f} s (workload {report['workload_s']:.1f} s, "

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +23,7 @@ class MetricSnapshot:
 
     def value(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-        return sum(
-            v
-            for lab, v in self.samples.get(name, [])
-            if all(lab.get(k) == want for k, want in labels.items())
-        )
+        return sum(v for got, v in self.samples.get(name, []) if labels.items() <= got.items())
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -58,8 +55,7 @@ async def fetch_metrics(client: httpx.AsyncClient, url: str) -> MetricSnapshot:
 async def fetch_state(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
     response = await client.get(f"{url}/debug/state", timeout=10.0)
     response.raise_for_status()
-    state: dict[str, Any] = response.json()
-    return state
+    return dict(response.json())
 
 
 def wait_drained(urls: Sequence[str], timeout: float) -> list[dict[str, Any] | None]:
@@ -79,25 +75,44 @@ def wait_drained(urls: Sequence[str], timeout: float) -> list[dict[str, Any] | N
 
 
 def is_drained(state: dict[str, Any]) -> bool:
-    return bool(
-        not state.get("stale")  # a stale state predates the step in progress
-        and state.get("blocks_free") == state.get("blocks_total")
-        and not state.get("pending_pulls")
-        and not state.get("pending_sends")
-        and not state.get("requests_by_status")
-    )
+    return bool(not state.get("stale")  # a stale state predates the step in progress
+                and state.get("blocks_free") == state.get("blocks_total") and not state.get("pending_pulls")
+                and not state.get("pending_sends") and not state.get("requests_by_status"))
+
+
+def blocks_held(state: dict[str, Any]) -> int:
+    """KV blocks an instance holds, from its /debug/state."""
+    return int(state["blocks_total"]) - int(state["blocks_free"])
+
+
+class Periodic:
+    """`sample()` now and every `interval` s on a thread, into `samples`, until `stop()`."""
+
+    def __init__(self, sample: Callable[[], float], interval: float, name: str) -> None:
+        self.samples, self._sample, self._interval = [sample()], sample, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.samples.append(self._sample())
+
+    def stop(self, timeout: float | None = None, last: bool = False) -> list[float]:
+        """The samples; with `last`, one more taken now."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if last:
+            self.samples.append(self._sample())
+        return self.samples
 
 
 class SystemSampler:
-    """Polls /metrics and /debug/state of each instance, each on its own loop, every `interval` seconds.
-
-    `metrics[name]` and `states[name]` are lists of (seconds since `t0`, value) of the answers that came
-    back; a loop waiting on a busy engine (/debug/state runs on the engine thread) delays only itself."""
+    """Polls /metrics and /debug/state of each instance every `interval` s into (seconds since `t0`, value)
+    series, each on its own loop: one waiting on a busy engine (/debug/state runs there) delays only it."""
 
     def __init__(self, urls: dict[str, str], t0: float, interval: float = 0.25) -> None:
-        self.urls = dict(urls)
-        self.t0 = t0
-        self.interval = interval
+        self.urls, self.t0, self.interval = dict(urls), t0, interval
         self.metrics: dict[str, list[tuple[float, MetricSnapshot]]] = {name: [] for name in urls}
         self.states: dict[str, list[tuple[float, dict[str, Any]]]] = {name: [] for name in urls}
 

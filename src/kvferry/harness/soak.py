@@ -1,20 +1,18 @@
-"""`kvferry soak --minutes N`: P, D and the proxy under steady load with injected faults of every kind,
-P and D restarted (kill -9) and P frozen in turn; every few seconds it samples open fds, threads and RSS
-of each process (from /proc) and blocks held and transfer-table sizes of P and D (/debug/state). It
-fails when any series grows without bound: a least-squares slope per process lifetime (after a warm-up),
-both steeper than that series' limit per hour and adding more than its noise floor over the fitted span.
-A single high reading proves nothing; a slope does. P and D are checked per lifetime (a restart resets
-them), the proxy (never restarted) over the whole run."""
+"""`kvferry soak --minutes N`: P, D and the proxy under steady load, faults and restarts, sampled for fds,
+threads, RSS, blocks held and transfer tables. A series fails when its least-squares slope per process
+lifetime is both above its limit per hour and above its noise floor: a single high reading proves nothing."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +54,6 @@ def _proc_stats(pid: int) -> dict[str, float] | None:
         return None
 
 
-# The series' names of the system's processes.
 LABELS = {"P": "prefill", "D": "decode", "proxy": "proxy"}
 
 
@@ -137,13 +134,10 @@ def run(args: argparse.Namespace) -> int:
                 batch += 1
 
         def chaos() -> None:
-            cycle = ["restart P", "freeze P", "restart D"]
-            i = 0
+            cycle = itertools.cycle(["restart P", "freeze P", "restart D"])
             while not halt.wait(args.event_every):
-                what, name = cycle[i % len(cycle)].split()
-                t = time.monotonic() - t0
-                (soak.restart if what == "restart" else soak.freeze)(name, t)
-                i += 1
+                what, name = next(cycle).split()
+                (soak.restart if what == "restart" else soak.freeze)(name, time.monotonic() - t0)
 
         threads = [threading.Thread(target=load, daemon=True), threading.Thread(target=chaos, daemon=True)]
         for th in threads:
@@ -163,12 +157,9 @@ def run(args: argparse.Namespace) -> int:
         limit = LIMITS_PER_HOUR[metric]
         rows.append({"process": name, "series": metric, "samples": len(points), "last": points[-1][1],
                      "slope_per_hour": None if fit is None else round(fit[0], 1), "limit_per_hour": limit,
-                     "growth_over_span": None if fit is None else round(fit[1], 1),
-                     "judged": fit is not None,
+                     "growth_over_span": None if fit is None else round(fit[1], 1), "judged": fit is not None,
                      "bounded": fit is None or fit[0] <= limit or fit[1] <= NOISE_FLOOR[metric]})
-    outcomes: dict[str, int] = {}
-    for r in results_all:
-        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    outcomes = dict(Counter(r.outcome for r in results_all))
     ok = all(r["bounded"] for r in rows) and outcomes.get("stuck", 0) == 0
     table = Table(title=f"kvferry soak: {args.minutes:g} min, {len(soak.events)} restarts/freezes, requests {outcomes}")
     for col in ("process", "series", "samples", "last", "slope / hour", "limit / hour", "growth in span",

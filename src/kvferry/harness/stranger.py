@@ -1,17 +1,12 @@
-"""A stranger without KVFERRY_SECRET flooding a P/D system's ports, used by the security tests
-and `kvferry bench flood`. Each flood runs in a process of its own, so its CPU and descriptors are its own:
+"""A stranger without KVFERRY_SECRET flooding a P/D system's ports (security tests, `kvferry bench flood`),
+in a process of its own so its CPU and descriptors are its own:
 
     python -m kvferry.harness.stranger MODE ADDR [--conns N] [--sources IP=N,...] [--seconds S]
 
-idle:      N plain TCP connections to P's control port held open (reopened as P closes them)
-junk:      N DEALERs sending messages of 10,000 empty frames as fast as they can
-bigframe:  N connections that greet in ZMTP, announce a frame of MAX_FRAME_BYTES - 1 and send 64 KiB of it
-reconnect: N DEALERs reconnecting every 10 ms, each one a handshake P refuses (and might log)
-halfopen:  to D's data port (host:port), from each source address its N connections that never send a
-           byte, each reopened the moment D drops it (`HalfOpenFlood`)
-
-It prints `ready` once the flood is in place (every connection opened once; for halfopen, D has dropped
-as many as it holds), runs until SIGINT/SIGTERM or --seconds, and prints `opened N dropped M` at the end."""
+idle: N TCP connections held open; junk: N DEALERs sending 10,000-frame messages; bigframe: N ZMTP
+greetings announcing a MAX_FRAME_BYTES - 1 frame; reconnect: N DEALERs reconnecting every 10 ms;
+halfopen: N silent connections per source to D's data port, reopened as D drops them. Prints `ready`
+once in place and `opened N dropped M` at the end."""
 
 from __future__ import annotations
 
@@ -107,12 +102,6 @@ class _Counts:
             print("ready", flush=True)
 
 
-def _tcp(host: str, port: int) -> socket.socket | None:
-    with contextlib.suppress(OSError):
-        return socket.create_connection((host, port), timeout=1)
-    return None
-
-
 def _gone(s: socket.socket) -> bool:
     try:
         s.setblocking(False)
@@ -136,8 +125,9 @@ def hold(host: str, port: int, n: int, running: Callable[[], bool], first: bytes
                 alive.append(s)
         socks = alive
         while len(socks) < n and running():
-            fresh = _tcp(host, port)
-            if fresh is None:
+            try:
+                fresh = socket.create_connection((host, port), timeout=1)
+            except OSError:
                 break
             if first:
                 with contextlib.suppress(OSError):

@@ -1,9 +1,6 @@
-"""One P/D system: prefill and decode instances of `python -m kvferry serve`, the proxy in front of them
-and, as the baseline a bench compares with, a colocated (`--role both`) instance, each on a free port.
-The harness and the benches start kvferry instances here only (tests/test_layers.py keeps it so).
-
-Use it as a context manager (or call stop() in a finally): every process it started is stopped by pid,
-also when the body raises or the user presses Ctrl-C."""
+"""One P/D system: prefill and decode `kvferry serve` instances, the proxy and optionally a colocated
+instance, each on a free port. The harness and the benches start kvferry instances here only. As a
+context manager it stops every process by pid, also on errors and Ctrl-C."""
 
 from __future__ import annotations
 
@@ -17,8 +14,6 @@ from kvferry.harness.processes import LOOPBACK, ManagedProcess, blas_env, free_p
 
 @dataclass(frozen=True)
 class Role:
-    """How the instances of one role start."""
-
     count: int = 1
     args: tuple[str, ...] = ()  # `kvferry serve` flags of this role only (--tp, --faults, ...)
     env: Mapping[str, str] = field(default_factory=dict)
@@ -51,12 +46,9 @@ class PDSystemConfig:
 
 
 def _flags(**options: object) -> list[str]:
-    """`--name value` for each option that is not None; underscores in a name become dashes."""
-    out: list[str] = []
-    for name, value in options.items():
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
+    """`--name-with-dashes value` for each option that is not None."""
+    return [arg for name, value in options.items() if value is not None
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
 class PDSystem:
@@ -85,8 +77,7 @@ class PDSystem:
     def proxy(self) -> ManagedProcess:
         return self.procs["proxy"]
 
-    def names(self, role: str) -> list[str]:
-        """The names of the instances of `role`, in start order."""
+    def names(self, role: str) -> list[str]:  # in start order
         return [name for name, r in self._roles.items() if r == role]
 
     def start(self) -> None:
@@ -130,7 +121,7 @@ class PDSystem:
         return fresh
 
     def dead(self) -> list[str]:
-        """Names (and exit codes) of processes that exited on their own."""
+        """Processes that exited on their own, with their exit codes."""
         return [f"{p.name} (exit {code})" for p in self.procs.values() if (code := p.exited()) is not None]
 
     def stop(self, keep_logs: bool = False) -> None:

@@ -1,7 +1,5 @@
-"""The pipeline under `kvferry demo` and `kvferry chaos`: a workload (chat questions for a real model, byte
-prompts for tiny) → its colocated reference (`generate_greedy` in a side process, computing while a P/D
-system serves the same workload) → the judge of every answer against the reference. Each command brings
-its own faults, checks and report."""
+"""The pipeline under `kvferry demo` and `kvferry chaos`: a workload, its colocated reference computing in
+a side process meanwhile, and the judge of every answer against it."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 def workload(model: str, requests: int, seed: int, max_tokens: tuple[int, int], **byte_prompts: Any) -> list[WorkItem]:
-    """Chat questions for a real model; for `tiny`, byte prompts shaped by `byte_prompts` (make_workload's
-    max_prompt, long_share). A model that does not load raises ModelLoadError (a ValueError)."""
+    """Chat questions for a real model; for `tiny`, byte prompts (`byte_prompts`: make_workload's options).
+    Raises ModelLoadError (a ValueError) for a model that does not load."""
     if model == "tiny":
         return make_workload(requests, seed, max_tokens=max_tokens, **byte_prompts)
     return chat_workload(load_codec(model), requests, seed, max_tokens)

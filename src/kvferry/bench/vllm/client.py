@@ -26,14 +26,13 @@ def prompt(seed: int, words: int = 900) -> str:
 
 def stream(url: str, model: str, prompt: str, max_tokens: int,
            timeout: float = 300) -> tuple[float, list[float], str]:
-    """TTFT, the gaps between later chunks and the text of one streamed greedy completion."""
+    """TTFT, the gaps between later chunks with text and the text of one streamed greedy completion."""
     body = {"model": model, **stream_body(prompt, max_tokens)}
     begin, events = time.monotonic(), CompletionStream(time.monotonic)
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}")
         events.read(response.iter_lines())
-    # Only chunks with text count: a stream may carry empty ones (the last, with its finish_reason).
     stamps = [at for at, text in zip(events.arrivals, events.parts, strict=True) if text]
     if not stamps:
         raise RuntimeError("no tokens streamed")

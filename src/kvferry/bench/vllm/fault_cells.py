@@ -69,18 +69,16 @@ class Cell:
 
 # ---- the client's retry rule (the same for both connectors) -----------------------------------------
 def retryable(status: int | None, body: Any) -> bool:
-    """D's answer is a KV-load failure before the first token: vLLM answers a request that its scheduler
-    finished with an error (`FINISHED_ERROR`, which under `kv_load_failure_policy: fail` is a failed
-    remote KV load) with HTTP 500, type `InternalServerError`, and no token. Any other answer is final."""
+    """D's answer is a KV-load failure before the first token: vLLM answers a request its scheduler finished
+    with an error (under policy `fail`, a failed remote load) with HTTP 500, type `InternalServerError`."""
     if status != 500 or not isinstance(body, dict) or not isinstance(body.get("error"), dict):
         return False
     return bool(body["error"].get("type") == "InternalServerError")
 
 
 def next_prefill(last: int, healthy: list[bool]) -> tuple[int, bool]:
-    """Which P the retry's prefill goes to, and whether it backs off first: another P that answers its
-    health check (at once); else the same P if it answers again; else another P anyway. Backing off
-    whenever no other P answers (`kvferry proxy`'s rule: a paused P's next try comes after the pause)."""
+    """Which P the retry's prefill goes to, and whether it backs off first (`kvferry proxy`'s rule): another
+    healthy P at once; else, after a back-off, the same P if healthy, else another P anyway."""
     others = [i for i in range(len(healthy)) if i != last]
     for i in others:
         if healthy[i]:
@@ -100,9 +98,8 @@ OUTCOME_RANK = {"wrong": 0, "none": 1, "dropped": 2, "error": 3, "identical": 4}
 
 
 def outcome(cell: Cell) -> str:
-    """identical: 200 with the colocated text; wrong: 200 with another text (silent corruption);
-    error: an HTTP error; dropped: the connection ended without an answer (D died); none: no answer
-    within the cap."""
+    """identical / wrong: 200 with the colocated text or another (silent corruption); error: an HTTP error;
+    dropped: the connection ended without an answer (D died); none: no answer within the cap."""
     if cell.http == 200:
         return "identical" if cell.identical else "wrong"
     if cell.http is not None:
@@ -111,8 +108,7 @@ def outcome(cell: Cell) -> str:
 
 
 def _freed_worst(cell: Cell) -> float:
-    """The later of P's and D's return to 0 KV blocks (a server killed in the cell does not count;
-    never freed within the cap counts as infinite)."""
+    """The later of P's and D's return to 0 KV blocks (a killed server does not count; never is infinite)."""
     worst = 0.0
     for value in cell.freed_s.values():
         if value is None:
@@ -128,10 +124,9 @@ def _apart(a: float, b: float, slack_s: float) -> bool:
 
 
 def compare(ours: Cell, peer: Cell, slack_s: float = 0.5) -> tuple[str, str]:
-    """Which connector did better in one cell, and why: the better outcome (identical > error >
-    dropped > no answer > wrong text); then, for the same outcome, the sooner answer (clearly apart,
-    `_apart`; not for a dropped connection, whose time is the kill's); then the sooner release of P's
-    and D's KV blocks. Returns (winner, reason) with winner `kvferry`, `nixl` or `same`."""
+    """(winner: `kvferry`, `nixl` or `same`, reason): the better outcome; for the same outcome the sooner
+    answer (clearly `_apart`; not for a dropped connection, whose time is the kill's); then the sooner
+    release of P's and D's KV blocks."""
     a, b = outcome(ours), outcome(peer)
     if a != b:
         winner = ours if OUTCOME_RANK[a] > OUTCOME_RANK[b] else peer
@@ -158,17 +153,9 @@ def _fmt_s(value: float | str | None) -> str:
 def summary(cell: Cell) -> str:
     """One cell as the table shows it: `200 = 3.1 s`, `500 peer_dead 0.4 s`, `200 WRONG 0.2 s`."""
     took = _fmt_s(cell.answer_s) if cell.answer_s is not None else "-"
-    kind = outcome(cell)
-    if kind == "identical":
-        head = "200 ="
-    elif kind == "wrong":
-        head = "200 WRONG TEXT"
-    elif kind == "error":
-        head = f"{cell.http} {','.join(sorted(cell.causes)) or (cell.error or '')[:40]}".rstrip()
-    elif kind == "dropped":
-        head = f"dropped ({cell.error})"
-    else:
-        head = "no answer"
+    error = f"{cell.http} {','.join(sorted(cell.causes)) or (cell.error or '')[:40]}".rstrip()
+    head = {"identical": "200 =", "wrong": "200 WRONG TEXT", "error": error,
+            "dropped": f"dropped ({cell.error})", "none": "no answer"}[outcome(cell)]
     return f"{head} {took}" + (f" (try {cell.tries})" if cell.tries > 1 else "")
 
 
@@ -177,8 +164,7 @@ def freed_summary(cell: Cell) -> str:
 
 
 def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
-    """One row per (fault, policy): each connector's cell and blocks-freed times side by side, and
-    which is ahead."""
+    """One row per (fault, policy): each connector's cell and blocks-freed times, and which is ahead."""
     by_key = {(c.fault, c.policy, c.connector): c for c in cells}
     rows = []
     for fault, label in FAULTS:
@@ -204,8 +190,7 @@ def table_rows(cells: list[Cell]) -> list[dict[str, Any]]:
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float], names: tuple[str, ...]) -> dict[str, float]:
-    """Failure counters that moved between two /metrics scrapes, keyed by a short label: kvferry's
-    `cause`, or the NIXL counter's name."""
+    """Failure counters that moved between two scrapes, by kvferry's `cause` or the NIXL counter's name."""
     out: dict[str, float] = {}
     for key, value in after.items():
         base = key.split("{", 1)[0]

@@ -1,6 +1,5 @@
-"""How one cell of `kvferry bench vllm --faults` runs: P prefills, the fault lands (while D's read, or
-between P's answer and D's request), the D's answer, and the cell records the answer, D's failure
-counters, what P and D held and when they were back to 0 KV blocks."""
+"""How one cell of `kvferry bench vllm --faults` runs: P prefills, the fault lands, the D's answer, and the
+cell records the answer, D's failure counters, what P and D held and when they freed their blocks."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ class Matrix:
         self.seed = 1000 * CONNECTORS.index(pair.kind)
         self.pool = ThreadPoolExecutor(4)
 
-    # -- helpers --
     def _prompts(self) -> dict[str, str]:
         self.seed += 2
         return {policy: prompt(self.seed + i) for i, policy in enumerate(POLICIES)}
@@ -63,22 +61,15 @@ class Matrix:
         except httpx.HTTPError as exc:
             return type(exc).__name__
 
-    def _answers_health(self, server: Any) -> bool:
-        try:
-            return httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     def _ask_d(self, policy: str, text: str, params: dict[str, Any]) -> Future[tuple[Any, float, int]]:
-        """D's answer to the request P prefilled; a KV-load failure (`retryable`) gets a new prefill and a
-        new D request, up to `retries` times, on the P that `next_prefill` picks (the same rule for both
-        connectors, as `kvferry proxy --retries` retries)."""
+        """D's answer to the request P prefilled; a KV-load failure (`retryable`) gets a new prefill on the P
+        `next_prefill` picks and a new D request, up to `retries` times, for both connectors alike."""
 
         def call() -> tuple[Any, float, int]:
             r, tries, backoffs, last = self._decode(policy, text, params), 1, 0, 0
             while tries <= self.retries and not isinstance(r, str) and retryable(r.status_code, _json(r)):
                 prefills = self.pair.prefills()
-                last, backoff = next_prefill(last, [self._answers_health(p) for p in prefills])
+                last, backoff = next_prefill(last, [p.healthy(timeout=1.0) for p in prefills])
                 if backoff:
                     backoffs += 1
                     time.sleep(retry_backoff_s(backoffs))
@@ -112,10 +103,10 @@ class Matrix:
 
     def _cells(self, fault: str, refs: dict[str, str], futures: dict[str, Future[tuple[Any, float, int]]],
                before: dict[str, dict[str, float]], t_ref: dict[str, float], dead: set[str],
-               watch: FreedWatch, note: str = "") -> list[Cell]:
+               watch: FreedWatch) -> list[Cell]:
         cells = []
         for policy, future in futures.items():
-            cell = Cell(self.pair.kind, policy, fault, note=note)
+            cell = Cell(self.pair.kind, policy, fault)
             try:
                 response, answered, cell.tries = future.result(timeout=(self.caps.answer + 5) * (self.retries + 1) + 30)
             except Exception as exc:  # noqa: BLE001 - recorded in the cell
@@ -143,15 +134,13 @@ class Matrix:
         freed = watch.result()
         for cell in cells:
             cell.freed_s = dict(freed)
-        for cell in cells:
             self.log(f"  {cell.connector} {fault} {cell.policy}: {summary(cell)}; held {cell.held}; freed "
-                     f"{freed_summary(cell)} {note}")
+                     f"{freed_summary(cell)}")
         return cells
 
     def _before(self) -> dict[str, dict[str, float]]:
         return {policy: d.metrics(timeout=15) for policy, d in self.pair.d.items()}
 
-    # -- the cells --
     def reading(self, fault: str, act: Callable[[], None], undo: Callable[[], None] | None = None,
                 dead: frozenset[str] = frozenset()) -> list[Cell]:
         """A fault while both D's read: P prefilled both prompts, the link is capped, both D's asked."""
@@ -186,35 +175,22 @@ class Matrix:
         the D's one after the other, `each` run before each (the corrupt cell arms its rule per D)."""
         prompts = self._prompts()
         refs = self._references(prompts)
-        if each is not None:
-            cells = []
-            for policy in POLICIES:
-                params = {policy: prefill(self.pair.p.url, self.model, prompts[policy])}
-                before = self._before()
-                each()
-                watch = self._watch(time.monotonic(), set(dead))
-                t_ref = {policy: time.monotonic()}
-                got = self._cells(fault, refs, {policy: self._ask_d(policy, prompts[policy], params[policy])},
-                                  before, t_ref, set(dead), watch)
-                for cell in got:  # the note after the answer: the rule's counter
-                    cell.note = note() if note is not None else ""
-                cells += got
-            return cells
-        params = {policy: prefill(self.pair.p.url, self.model, text) for policy, text in prompts.items()}
-        before = self._before()
-        if between is not None:
-            between()
-        t_ref, futures = {}, {}
-        watch = self._watch(time.monotonic(), set(dead))
-        for policy in POLICIES:
-            t_ref[policy] = time.monotonic()
-            futures[policy] = self._ask_d(policy, prompts[policy], params[policy])
-        cells = self._cells(fault, refs, futures, before, t_ref, set(dead), watch)
-        if note is not None:
-            for cell in cells:
-                cell.note = note()
+        cells: list[Cell] = []
+        for group in ([[policy] for policy in POLICIES] if each is not None else [list(POLICIES)]):
+            params = {policy: prefill(self.pair.p.url, self.model, prompts[policy]) for policy in group}
+            before = self._before()
+            if (act := each or between) is not None:
+                act()
+            watch = self._watch(time.monotonic(), set(dead))
+            t_ref, futures = {}, {}
+            for policy in group:
+                t_ref[policy] = time.monotonic()
+                futures[policy] = self._ask_d(policy, prompts[policy], params[policy])
+            got = self._cells(fault, refs, futures, before, t_ref, set(dead), watch)
+            for cell in got:  # the note after the answer (the corrupt cell's: the rule's counter)
+                cell.note = note() if note is not None else ""
+            cells += got
         return cells
-
 
 
 def _json(r: httpx.Response) -> Any:

@@ -1,6 +1,5 @@
-"""The network rig of `kvferry bench vllm --faults`: one connector's P and two D's on the hosts of a
-`harness.hosts` network, the faults on P's link (rate cap, partition, one altered packet), and what the
-servers hold (requests, KV blocks) and use (cores)."""
+"""The network rig of `kvferry bench vllm --faults`: one connector's P's and D's on `harness.hosts`, the
+faults on P's link, and what the servers hold and use."""
 
 from __future__ import annotations
 
@@ -16,22 +15,28 @@ from typing import Any
 import httpx
 
 from kvferry.bench.vllm.fault_cells import POLICIES, SHORT_LEASE_S
-from kvferry.bench.vllm.servers import COMMON, NIXL_CONFIG, ServerGroup, group_pids, metric_sum, nixl_env
+from kvferry.bench.vllm.servers import (
+    COMMON,
+    NIXL_CONFIG,
+    ServerGroup,
+    group_pids,
+    kvferry_kv,
+    metric_sum,
+    nixl_env,
+)
 from kvferry.bench.vllm.systems import TP2_ARGS, TP2_ENV
 from kvferry.harness.processes import free_port
 
 
 class Pair:
-    """One connector's servers on the host network: P in namespace p, a second P in p2 (faults act on
-    P's namespace only, so a retry has somewhere to go), the fail and recompute D's in d. With `p_tp` 2,
-    P (only) runs at tensor parallel 2, its two worker processes sharing CPU 1 (systems.TP2_ENV)."""
+    """One connector's servers on the host network: P in namespace p, a second P in p2 (no fault acts on
+    it, so a retry has somewhere to go), the fail and recompute D's in d; with `p_tp` 2, P alone at TP 2."""
 
     def __init__(self, kind: str, net: Any, vllm: str, model: str, tmp: Path, p_tp: int = 1) -> None:
         self.kind, self.net, self.vllm, self.model, self.tmp, self.p_tp = kind, net, vllm, model, tmp, p_tp
-        self.nixl_config = NIXL_CONFIG
         self.p_port, self.bootstrap = free_port(), free_port()
         self.p: Any = None
-        self.p2: Any = None  # the second P (namespace p2, no fault acts on it): where a retry goes
+        self.p2: Any = None
         self.d: dict[str, Any] = {}
         self.p_short = False
         self.data_ports = {policy: free_port() for policy in POLICIES}  # kvferry D's: the corrupt cell's match
@@ -39,8 +44,9 @@ class Pair:
     def _serve(self, name: str, host: Any, port: int, config: dict[str, Any], env: dict[str, str],
                blocks: int, tp: int = 1) -> Any:
         common = [host.ip if a == "127.0.0.1" else a for a in COMMON]
-        argv = [*host.prefix, self.vllm, "serve", self.model, "--port", str(port), *common, *(TP2_ARGS if tp == 2 else ()),
-                "--num-gpu-blocks-override", str(blocks), "--kv-transfer-config", json.dumps(config)]
+        argv = [*host.prefix, self.vllm, "serve", self.model, "--port", str(port), *common,
+                *(TP2_ARGS if tp == 2 else ()), "--num-gpu-blocks-override", str(blocks),
+                "--kv-transfer-config", json.dumps(config)]
         return ServerGroup(f"{self.kind}-{name}", argv, port, {**env, **(TP2_ENV if tp == 2 else {})}, host=host.ip)
 
     def data_plane(self) -> list[str]:
@@ -59,17 +65,15 @@ class Pair:
             extra: dict[str, Any] = {"engine_id": f"bench-{name}", "host": host.ip, "bootstrap_port": self.bootstrap}
             if short:
                 extra["abort_timeout_s"] = SHORT_LEASE_S
-            config = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                      "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+            config = kvferry_kv("kv_producer", None, **extra)
             env: dict[str, str] = {}
         else:
-            config = {**self.nixl_config, "kv_connector_extra_config": {"kv_lease_duration": SHORT_LEASE_S} if short
-                      else {}}
+            lease = {"kv_lease_duration": SHORT_LEASE_S} if short else {}
+            config = {**NIXL_CONFIG, "kv_connector_extra_config": lease}
             env = self._nixl_env(host, "21000-21999")
         return self._serve(name, host, port, config, env, 24, self.p_tp if name == "prefill" else 1)
 
     def start_p(self, short: bool = False) -> Any:
-        """P, the one the faults act on."""
         self.p, self.p_short = self._prefill("prefill", self.net["p"], self.p_port, short), short
         return self.p
 
@@ -78,25 +82,20 @@ class Pair:
         return self.p2
 
     def reference(self) -> Any:
-        """The server whose plain answers are the colocated reference: P, or at P TP 2 the TP 1 P2 (D's
-        TP: tensor parallelism changes float32 sums, and the text D gives is computed at TP 1)."""
+        """The server whose plain answers are the reference: one at D's TP (TP changes float32 sums)."""
         return self.p2 if self.p_tp == 2 else self.p
 
-    def prefills(self) -> list[Any]:
-        """The P's a request may prefill on, the faulted one first."""
+    def prefills(self) -> list[Any]:  # the faulted one first
         return [p for p in (self.p, self.p2) if p is not None]
 
     def start_d(self, policy: str) -> Any:
         host = self.net["d"]
         if self.kind == "kvferry":
-            config: dict[str, Any] = {
-                "kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                "kv_role": "kv_consumer", "kv_load_failure_policy": policy,
-                "kv_connector_extra_config": {"host": host.ip, "prefill_allow": [self.net["p"].ip, self.net["p2"].ip],
-                                              "data_port": self.data_ports[policy]}}
+            config = kvferry_kv("kv_consumer", policy, host=host.ip, data_port=self.data_ports[policy],
+                                prefill_allow=[self.net["p"].ip, self.net["p2"].ip])
             env: dict[str, str] = {}
         else:
-            config = {**self.nixl_config, "kv_load_failure_policy": policy}
+            config = {**NIXL_CONFIG, "kv_load_failure_policy": policy}
             env = self._nixl_env(host, "22000-22499" if policy == "fail" else "22500-22999")
         d = self._serve(f"decode-{policy}", host, free_port(), config, env, 64)
         self.d[policy] = d
@@ -121,7 +120,7 @@ def worker_pid(server: Any, rank: int) -> int:
 
 
 def group_cpu_seconds(pgid: int) -> float:
-    """CPU time (user + system) of every live process in a process group, from /proc."""
+    """CPU seconds (user + system) of every live process in a process group."""
     total = 0
     for pid in group_pids(pgid):
         with contextlib.suppress(OSError, IndexError, ValueError):
@@ -131,9 +130,8 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def idle_cpu(servers: list[Any], seconds: float = 5.0) -> float:
-    """Cores the servers use together while nobody sends them anything (busy polling shows here). Divided
-    by the wall time from the first /proc scan's start to the second's end: on a loaded box a scan takes
-    seconds, and dividing by `seconds` alone can report more cores than the box has."""
+    """Cores the servers use together while idle (busy polling shows here), over the wall time of both /proc
+    scans too: on a loaded box a scan takes seconds."""
     began = time.monotonic()
     before = sum(group_cpu_seconds(s.popen.pid) for s in servers)
     time.sleep(seconds)
@@ -155,14 +153,12 @@ def held(server: Any) -> dict[str, float] | None:
             "kv_usage": round(metric_sum(m, "vllm:kv_cache_usage_perc"), 4)}
 
 
-# Undoing a fault is best effort: on an overloaded box even `ip netns exec iptables` can time out, and
-# that must not end the matrix from its error path.
+# Undoing a fault is best effort: on an overloaded box even `ip netns exec iptables` can time out.
 _UNDO_ERRORS = (RuntimeError, subprocess.TimeoutExpired)
 
 
 class Link:
-    """Faults on P's side of the bridge (run inside P's namespace): rate cap, partition from D, a mangled
-    packet."""
+    """Faults on P's side of the bridge: rate cap, partition from D, a mangled packet."""
 
     def __init__(self, p_host: Any, d_ip: str) -> None:
         self.p, self.d_ip = p_host, d_ip
@@ -189,11 +185,8 @@ class Link:
             self.p.exec("iptables", "-D", "OUTPUT", "-d", self.d_ip, "-j", "DROP")
 
     def corrupt_next(self, data_plane: list[str]) -> None:
-        """nftables rewrites 4 bytes (0xdeadbeef, a float32 of -6e18) 2,000 bytes into the payload of
-        the next TCP packet over 4,000 bytes that P sends D on the KV data plane (`data_plane`, an nft
-        match: kvferry's D data ports, UCX's TCP ports on P), once, with TCP's checksum fixed, so
-        neither TCP nor the NIC notices — what a flipped bit in a switch's or a host's memory looks like
-        to the receiver. UCX's TCP transport sends 8 KiB segments, kvferry's are up to GSO size."""
+        """nftables rewrites 4 bytes 2,000 bytes into the next KV packet over 4,000 bytes P sends D, once,
+        with TCP's checksum fixed: what a flipped bit in a switch's or host's memory looks like to D."""
         self.p.exec("nft", "add", "table", "inet", "kvferry_fault")
         self.p.exec("nft", "add", "chain", "inet", "kvferry_fault", "out", "{ type filter hook output priority 0 ; }")
         self.p.exec("nft", "add", "rule", "inet", "kvferry_fault", "out", "ip", "daddr", self.d_ip, *data_plane,
@@ -217,8 +210,8 @@ class Link:
 
 
 class FreedWatch:
-    """Seconds from `started` until each side holds 0 KV blocks (vLLM's `kv_cache_usage_perc`), polled
-    by a thread per side so that a stopped P does not delay D's reading; None: not within `cap`."""
+    """Seconds from `started` until each side holds 0 KV blocks, a thread per side so that a stopped P does
+    not delay D's reading; None: not within `cap`."""
 
     def __init__(self, sides: dict[str, list[Any]], started: float, dead: set[str], cap: float) -> None:
         self.started, self.deadline = started, started + cap

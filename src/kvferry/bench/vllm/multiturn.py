@@ -1,36 +1,20 @@
 """`kvferry bench vllm --workload multiturn`: conversations through real `vllm serve`, where D's own prefix
 cache holds the earlier turns and a connector should move only the KV past that hit.
 
-Each conversation's turn is the previous prompt, that turn's answer and a new user message (text
-prompts). The answers that grow the context are the colocated server's (it runs first), so every
-system gets the very same prompts and each of its answers is compared with colocated's on its own. The
-conversations run in waves, one per turn index: within a wave the conversations' requests start a
-stagger apart, so later ones arrive (and P/D pull their KV) while earlier ones decode, and D's counters
-between waves belong to one turn index.
-
-Systems, one at a time on the same box (so that they do not compete for cores): colocated `vllm serve`;
-KVFerryConnector behind `kvferry proxy`; vLLM's NixlConnector behind vllm-router's NIXL mode, as
-`kvferry bench vllm` runs it (bench/vllm/side_by_side.py). Per turn index: TTFT p50/p99, D's
-`vllm:prompt_tokens_by_source` deltas and the prompt tokens D computed per request (a wave's
-local_compute over its requests: 0 means none of them computed one), the inter-token gaps of the
-streamed answers (p50, p99) and the answers equal to colocated's. (vLLM's per-request
-`vllm:request_prefill_kv_computed_tokens` would not do: on D it counts P's cache hits, which P hands D
-as `remote_prefill_cached_tokens` for the client's usage figures, not D's own compute.) `KVFERRY_BENCH_CONVERSATIONS` and
-`KVFERRY_BENCH_TURNS` size the run (default 3 × 4; `--quick` 2 × 3)."""
+Every system gets the very same prompts (the context grows by colocated's answers) and each answer is
+compared with colocated's. Turns run in waves with staggered requests, so D's counters between waves
+belong to one turn index. D's `vllm:prompt_tokens_by_source` is used, not
+`vllm:request_prefill_kv_computed_tokens`, which on D counts P's cache hits."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -38,14 +22,14 @@ import httpx
 from kvferry.bench.report import ms, report
 from kvferry.bench.vllm.client import VOCAB, stream
 from kvferry.bench.vllm.servers import (
-    COMMON,
-    LOOPBACK,
-    NIXL_CONFIG,
     ServerGroup,
     export_model,
+    kvferry_proxy,
     metric_sum,
-    nixl_env,
+    pd_servers,
+    router_exe,
     vllm_exe,
+    vllm_server,
 )
 from kvferry.bench.vllm.side_by_side import router_argv
 from kvferry.bench.vllm.systems import d_failure
@@ -78,8 +62,7 @@ def plan_from_env(quick: bool, env: dict[str, str] | None = None) -> Plan:
     turns = int(env.get("KVFERRY_BENCH_TURNS") or base.turns)
     if conversations < 1 or turns < 2:
         raise ValueError("KVFERRY_BENCH_CONVERSATIONS ≥ 1 and KVFERRY_BENCH_TURNS ≥ 2")
-    return Plan(conversations=conversations, turns=turns, first_words=base.first_words,
-                message_words=base.message_words, answer_tokens=base.answer_tokens, stagger_s=base.stagger_s)
+    return replace(base, conversations=conversations, turns=turns)
 
 
 def message(conversation: int, turn: int, plan: Plan) -> str:
@@ -91,12 +74,10 @@ def message(conversation: int, turn: int, plan: Plan) -> str:
 
 
 def next_prompt(previous: str, answer: str, new_message: str) -> str:
-    """A turn's prompt: the previous prompt, its answer and the new message (the whole context again)."""
     return previous + answer + new_message
 
 
 def by_source(metrics: dict[str, float]) -> dict[str, float]:
-    """D's prompt tokens by where their KV came from (`vllm:prompt_tokens_by_source`)."""
     return {s: metric_sum({k: v for k, v in metrics.items() if f'source="{s}"' in k}, BY_SOURCE) for s in SOURCES}
 
 
@@ -143,6 +124,7 @@ def _wave(url: str, model: str, plan: Plan, prompts: dict[int, str], turn: int) 
 @dataclass
 class Run:
     """One system's conversations: its answers by (conversation, turn) and D's counter deltas by turn."""
+
     answers: dict[tuple[int, int], Answer] = field(default_factory=dict)
     d_deltas: dict[int, dict[str, float]] = field(default_factory=dict)
 
@@ -184,30 +166,14 @@ def turn_rows(system: str, run: Run, reference: dict[tuple[int, int], Answer] | 
     return rows
 
 
-def _kv_config(kind: str, role: str, bootstrap: int) -> str:
-    if kind == "nixl":
-        return json.dumps(NIXL_CONFIG)
-    extra: dict[str, Any] = {"engine_id": "bench-multiturn-p", "bootstrap_port": bootstrap} \
-        if role == "kv_producer" else {}
-    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                       "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
-
-
 def _pd(kind: str, vllm: str, model: str) -> list[ServerGroup]:
     """P, D and the front: `kvferry proxy` for kvferry, vllm-router's NIXL mode for NixlConnector."""
-    bootstrap, p_port, d_port, front = free_port(), free_port(), free_port(), free_port()
-    p_env, d_env = ({}, {}) if kind != "nixl" else \
-        (nixl_env(LOOPBACK, "lo", "21000-21499"), nixl_env(LOOPBACK, "lo", "21500-21999"))
-    p = ServerGroup(f"{kind}-prefill", [vllm, "serve", model, "--port", str(p_port), *COMMON, "--kv-transfer-config",
-                                        _kv_config(kind, "kv_producer", bootstrap)], p_port, p_env)
-    d = ServerGroup(f"{kind}-decode", [vllm, "serve", model, "--port", str(d_port), *COMMON, "--kv-transfer-config",
-                                       _kv_config(kind, "kv_consumer", bootstrap)], d_port, d_env)
-    if kind == "nixl":
-        router_exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        argv = router_argv(router_exe, front, kind, p.url, d.url, bootstrap)
-    else:
-        argv = [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url, "--port", str(front)]
-    return [p, d, ServerGroup(f"{kind}-front", argv, front)]
+    p, d, bootstrap = pd_servers(kind, kind, vllm, model, "bench-multiturn-p")
+    if kind != "nixl":
+        return [p, d, kvferry_proxy(f"{kind}-front", p, d)]
+    port = free_port()
+    argv = router_argv(router_exe(), port, kind, p.url, d.url, bootstrap)
+    return [p, d, ServerGroup(f"{kind}-front", argv, port)]
 
 
 SYSTEMS = {"colocated": "colocated vllm serve", "kvferry": "P/D, KVFerryConnector (kvferry proxy)",
@@ -216,11 +182,7 @@ SYSTEMS = {"colocated": "colocated vllm serve", "kvferry": "P/D, KVFerryConnecto
 
 def _measure(kind: str, vllm: str, model: str, plan: Plan,
              reference: dict[tuple[int, int], Answer] | None) -> tuple[Run | None, list[dict[str, Any]]]:
-    if kind == "colocated":
-        port = free_port()
-        groups = [ServerGroup("colocated", [vllm, "serve", model, "--port", str(port), *COMMON], port)]
-    else:
-        groups = _pd(kind, vllm, model)
+    groups = [vllm_server("colocated", vllm, model)] if kind == "colocated" else _pd(kind, vllm, model)
     d, front = groups[min(1, len(groups) - 1)], groups[-1]  # colocated: one server is both
     try:
         for group in groups:

@@ -1,12 +1,8 @@
 """How long libzmq's I/O threads in P's and D's processes wait for a CPU (`kvferry bench vllm --hogs`).
 
-D calls a P dead when a dropped connection is not re-dialled in time, and only libzmq's I/O threads (no
-Python) take part in a re-dial. So when a live P is called dead, the question is whether those threads were
-runnable and left waiting by the kernel's scheduler (CPU starvation), or not runnable at all (blocked, or
-the whole VM held by its host: steal time). Linux counts both per thread: `/proc/<pid>/task/<tid>/schedstat`
-holds the nanoseconds a thread ran and the nanoseconds it waited on a run queue; `/proc/stat` the CPU
-time the host took (steal). Sampling them every SAMPLE_S names the starvation's size and kind.
-"""
+Only those threads take part in re-dialling a dropped connection, so when a live P is called dead the
+question is whether they were runnable but left waiting (starvation) or not runnable at all (steal
+time). `/proc/<pid>/task/<tid>/schedstat` and `/proc/stat` hold both, sampled every SAMPLE_S."""
 
 from __future__ import annotations
 
@@ -27,8 +23,8 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 def _io_threads(pgid: int) -> dict[str, tuple[str, Path]]:
-    """libzmq's I/O threads (named `[prefix/]ZMQbg/IO/<n>`) of every process in group `pgid`, by `pid/tid`:
-    whose they are (kvferry's contexts name theirs with `ZMQ_THREAD_PREFIX`) and where to read them."""
+    """libzmq's I/O threads of every process in group `pgid`, by `pid/tid`: whose (kvferry's carry
+    `ZMQ_THREAD_PREFIX`) and where to read them."""
     found: dict[str, tuple[str, Path]] = {}
     ours = f"{ZMQ_THREAD_PREFIX}/"
     for pid in group_pids(pgid):
@@ -46,11 +42,9 @@ def _steal_s() -> float:
 
 
 class RunQueueWatch:
-    """Samples the I/O threads of the process groups `groups` (name → pgid) until `stop`, kvferry's and the
-    host's apart. Two figures per kind: the longest stretch of samples in which a thread waited at least
-    STARVED_SHARE of the time (a busy thread that shares its CPU), and the longest single wait (the run
-    queue wait a sample added per time slice the thread got: a thread that wakes for a packet and waits
-    seconds for a CPU shows here, as the kernel adds a wait when it ends)."""
+    """Samples the I/O threads of `groups` (name → pgid) until `stop`, kvferry's and the host's apart: the
+    longest stretch waiting at least STARVED_SHARE of the time (a busy thread sharing its CPU), and the
+    longest single wait per time slice (a thread that wakes for a packet and waits seconds for a CPU)."""
 
     def __init__(self, groups: dict[str, int]) -> None:
         self.groups = groups
@@ -91,8 +85,7 @@ class RunQueueWatch:
                         last[key] = (now, wait_ns, slices)
 
     def stop(self) -> dict[str, Any]:
-        """What each group's I/O threads went through, kvferry's and the host's apart, and the host's steal
-        time, since the start."""
+        """What each group's I/O threads went through since the start, and the host's steal time."""
         self._stop.set()
         self._thread.join(timeout=5)
         row: dict[str, Any] = {}

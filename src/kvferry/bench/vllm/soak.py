@@ -1,22 +1,13 @@
-"""`kvferry bench vllm --soak MINUTES`: does a P ever stop answering while its /health answers? Real
-`vllm serve` P and D with KVFerryConnector at the lane's settings (bench/vllm/servers.py: one OpenMP
-thread, the worker inside the engine core), `kvferry proxy` in front (no retries, so every failure
-reaches the client), SOAK_CONCURRENCY clients in a closed loop for MINUTES, with kvferry's fault
-injection on in both connectors (`faults` in kv_connector_extra_config; KVFERRY_BENCH_FAULTS overrides
-DEFAULT_FAULTS).
-
-Every other request asks one of REFERENCE_PROMPTS, whose greedy answer is compared with a colocated
-`vllm serve` at the same settings (started and stopped first, alone); the rest ask a prompt never seen
-before, so P's prefix cache does not answer every prefill. A watchdog (soak_watch.py) records any request
-with no answer for STALL_S while P's and D's /health answer, with the evidence to name its cause.
-The load average is sampled every LOAD_EVERY_S: other processes on the box are part of what is measured."""
+"""`kvferry bench vllm --soak MINUTES`: does a P ever stop answering while its /health answers? Real `vllm
+serve` P/D with KVFerryConnector and fault injection on, behind `kvferry proxy` (no retries), in a closed
+loop. Half the requests ask reference prompts checked against a colocated `vllm serve`; the rest ask new
+prompts so P's prefix cache does not answer every prefill. A watchdog (soak_watch.py) records stalls."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import sys
 import tempfile
 import threading
 import time
@@ -29,10 +20,18 @@ import httpx
 
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, vllm_exe
+from kvferry.bench.vllm.servers import (
+    colocated_answers,
+    export_model,
+    kvferry_kv,
+    kvferry_proxy,
+    vllm_exe,
+    vllm_server,
+)
 from kvferry.bench.vllm.soak_watch import STALL_S, Watchdog, metrics_of, write_sitecustomize
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
+from kvferry.harness.sampler import Periodic
 
 SOAK_CONCURRENCY = 16
 REFERENCE_PROMPTS = 24
@@ -40,21 +39,9 @@ WORDS, MAX_TOKENS = 120, 16
 ANSWER_TIMEOUT_S = 900.0  # longer than the stall looked for (300 s), so the client sees it end
 LOAD_EVERY_S = 10.0
 DEFAULT_FAULTS = "transport=0.03,error_reply=0.03,drop_reply=0.03,p_not_ready=0.03,seed=39"
-# D's log: one line per request vLLM's scheduler fails for its KV load, with the cause (the consumer's own
-# "KV load for ... failed" line can come twice for one request: a release-only pull after an error reply)
+# D's log: one line per request vLLM fails for its KV load (the consumer's own line can come twice for one)
 _FAILED = re.compile(r'kvferry_kv_load_failed \{.*"cause": "(\w+)"')
 _ERROR = re.compile(r'"(?:message|detail|error)":\s*"([^"]{0,80})')
-
-
-def _kv(role: str, faults: str, **extra: Any) -> str:
-    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                       "kv_role": role, "kv_load_failure_policy": "fail",
-                       "kv_connector_extra_config": {"faults": faults, **extra}})
-
-
-def _server(name: str, vllm: Path, model: str, env: dict[str, str], *args: str) -> ServerGroup:
-    port = free_port()
-    return ServerGroup(name, [str(vllm), "serve", model, "--port", str(port), *COMMON, *args], port, env=env)
 
 
 def _error_kind(r: httpx.Response) -> str:
@@ -62,28 +49,6 @@ def _error_kind(r: httpx.Response) -> str:
     m = _ERROR.search(r.text)
     words = re.sub(r"cmpl-\S+|[0-9a-f]{8,}|\d+(\.\d+)?", "N", m[1]) if m else r.text[:40]
     return f"HTTP {r.status_code}: {words}"
-
-
-class _LoadAverage:
-    """The 1-minute load average every LOAD_EVERY_S while the soak runs."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="soak-load", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(LOAD_EVERY_S):
-                return
-
-    def stop(self) -> str:
-        self._stop.set()
-        self._thread.join()
-        s = self.samples
-        return f"{min(s):.1f} / {sum(s) / len(s):.1f} / {max(s):.1f}" if s else "-"
 
 
 def _drive(url: str, model: str, refs: list[str], refs_prompts: list[str], minutes: float,
@@ -134,10 +99,9 @@ def summary_row(minutes: float, faults: str, results: list[tuple[str, float]], d
                                              f"{outcomes['ok, same text'] + outcomes['DIFFERENT TEXT']}",
             "failed by outcome": "; ".join(f"{k} {v}" for k, v in sorted(failed.items())) or "0",
             "D's KV-load failures by cause": ", ".join(f"{k} {v}" for k, v in sorted(d_causes.items())) or "0",
-            "p50 s": percentile(seconds, 50) if seconds else None, "p99 s": percentile(seconds, 99) if seconds else None,
+            "p50 s": percentile(seconds, 50), "p99 s": percentile(seconds, 99),
             "max s": max(seconds, default=None), f"stalls > {STALL_S:.0f} s": stalls,
-            "> 300 s": sum(s > 300 for s in seconds),
-            "load avg min/mean/max": load}
+            "> 300 s": sum(s > 300 for s in seconds), "load avg min/mean/max": load}
 
 
 def run(json_path: str | None, minutes: float, quick: bool = False) -> list[dict[str, Any]]:
@@ -150,31 +114,27 @@ def run(json_path: str | None, minutes: float, quick: bool = False) -> list[dict
         site = write_sitecustomize(Path(tmp) / "site")
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
         model = export_model("smollm2", tmp)
-        colocated = _server("colocated", vllm, model, env)
-        try:
-            colocated.wait_healthy()
-            refs = [answer_text(complete(colocated.url, model, t, MAX_TOKENS, ANSWER_TIMEOUT_S)) for t in refs_prompts]
-        finally:
-            colocated.stop()
-        p = _server("prefill", vllm, model, env, "--kv-transfer-config",
-                    _kv("kv_producer", faults, engine_id="bench-soak-p", bootstrap_port=free_port()))
-        d = _server("decode", vllm, model, env, "--kv-transfer-config", _kv("kv_consumer", faults))
-        proxy_port = free_port()
-        proxy = ServerGroup("proxy", [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
-                                      "--port", str(proxy_port)], proxy_port)
+        colocated = vllm_server("colocated", vllm, model, env=env)
+        refs = colocated_answers(colocated, model, refs_prompts, MAX_TOKENS, ANSWER_TIMEOUT_S)
+        p_kv = kvferry_kv("kv_producer", faults=faults, engine_id="bench-soak-p", bootstrap_port=free_port())
+        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(p_kv), env=env)
+        d = vllm_server("decode", vllm, model, "--kv-transfer-config",
+                        json.dumps(kvferry_kv("kv_consumer", faults=faults)), env=env)
+        proxy = kvferry_proxy("proxy", p, d)
         dog = Watchdog(p, d, proxy, model, evidence)
         try:
             for group in (p, d, proxy):
                 group.wait_healthy()
             complete(proxy.url, model, "warm-up " + refs_prompts[0], 2, ANSWER_TIMEOUT_S)
             d_log_start = d.log.stat().st_size
-            load = _LoadAverage()
+            load = Periodic(lambda: os.getloadavg()[0], LOAD_EVERY_S, "soak-load")
             dog.start()
             try:
                 results = _drive(proxy.url, model, refs, refs_prompts, minutes, dog)
             finally:
                 dog.stop()
-                load_text = load.stop()
+                s = load.stop()
+                load_text = f"{min(s):.1f} / {sum(s) / len(s):.1f} / {max(s):.1f}"
             d_causes = Counter(_FAILED.findall(d.log.read_text(errors="replace")[d_log_start:]))
             after = {s.name: metrics_of(s) for s in (p, d)}
             dead = [f"{s.name} exited {s.popen.returncode}" for s in (p, d, proxy) if not s.alive()]

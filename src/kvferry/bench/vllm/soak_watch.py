@@ -1,10 +1,7 @@
 """The watchdog of `kvferry bench vllm --soak`: a request with no answer for STALL_S while P's and D's
-/health answer is a stall, and its evidence is taken at once, while the stall lasts: every thread of
-P's, D's and the proxy's processes (state and kernel wait channel from /proc), P's and D's /metrics
-(vLLM's queues and KV usage, kvferry's counters), whether P answers a one-token completion sent to it
-directly, a Python stack dump of every thread (faulthandler, registered for SIGUSR1 by the
-sitecustomize the bench puts on the servers' PYTHONPATH: vLLM registers no SIGUSR1 handler of its own,
-and SIGUSR1's default action would kill the server) and the last lines of each log."""
+/health answer is a stall, and its evidence is taken while it lasts: threads and wait channels, /metrics,
+a direct probe of P, a stack dump (SIGUSR1 via the sitecustomize the bench installs: vLLM has no handler
+and the default action would kill the server) and the logs' tails."""
 
 from __future__ import annotations
 
@@ -25,19 +22,16 @@ from kvferry.bench.vllm.servers import ServerGroup, group_pids
 
 STALL_S = 60.0
 CHECK_EVERY_S = 5.0
-# At most one evidence capture per EVIDENCE_EVERY_S: on a loaded box many requests pass STALL_S at once,
-# and each capture costs CPU (stack dumps of every server thread); later ones share the latest capture.
+# Many requests pass STALL_S at once on a loaded box and a capture costs CPU: later ones share the latest.
 EVIDENCE_EVERY_S = 120.0
 LOG_TAIL = 60
-# Series of /metrics worth keeping as evidence (prefixes).
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
            "vllm:num_preemptions", "kvferry_")
 SITECUSTOMIZE = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
 
 
 def write_sitecustomize(directory: Path) -> Path:
-    """A directory to prepend to the servers' PYTHONPATH: their Python processes dump every thread's
-    stack to their log on SIGUSR1."""
+    """A directory for the servers' PYTHONPATH: their processes dump every thread's stack on SIGUSR1."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return directory
@@ -45,8 +39,6 @@ def write_sitecustomize(directory: Path) -> Path:
 
 @dataclass
 class InFlight:
-    """One request the client is waiting on."""
-
     number: int
     began: float
     prompt: str
@@ -106,15 +98,7 @@ def metrics_of(server: ServerGroup) -> dict[str, float]:
     return {k: v for k, v in every.items() if k.startswith(METRICS)}
 
 
-def healthy(server: ServerGroup) -> bool:
-    try:
-        return httpx.get(f"{server.url}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 class Watchdog:
-    """Checks the client's in-flight requests every CHECK_EVERY_S; see the module's docstring."""
 
     def __init__(self, p: ServerGroup, d: ServerGroup, proxy: ServerGroup, model: str, evidence_dir: Path) -> None:
         self.p, self.d, self.proxy, self.model = p, d, proxy, model
@@ -153,7 +137,7 @@ class Watchdog:
                     r.flagged = True
             if not late:
                 continue
-            up = {s.name: healthy(s) for s in (self.p, self.d)}
+            up = {s.name: s.healthy() for s in (self.p, self.d)}
             if not all(up.values()):
                 self.unhealthy += [f"#{r.number} ({', '.join(n for n, ok in up.items() if not ok)} unhealthy)"
                                    for r in late]
@@ -174,7 +158,7 @@ class Watchdog:
             return list(self.stalls.values())
 
     def _evidence(self, late: list[InFlight], now: float) -> tuple[Path, str]:
-        """Everything seen while the stall lasts, in one file; and a one-line summary of it."""
+        """Everything seen while the stall lasts, in one file, and a one-line summary."""
         out = [f"stalled requests: {', '.join(f'#{r.number} ({now - r.began:.0f}s)' for r in late)}",
                f"in flight: {len(self.in_flight)}; load average: {_read('/proc/loadavg')}"]
         got: dict[str, dict[str, float]] = {}

