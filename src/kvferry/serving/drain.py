@@ -1,35 +1,13 @@
 """Graceful drain: SIGTERM (or `POST /drain`, for a Kubernetes preStop hook) stops admitting requests and
 lets the instance finish what it holds before it exits 0.
 
-P holds the KV of every prefill it answered until D pulls it, releases it, or P's abort timeout expires;
-exiting before that turns D's pull into a `bootstrap` or `peer_dead` failure. So a draining instance:
-  1. answers `/health` and every new completion with 503 (the proxy and the routers take it out of rotation,
-     and retry the request elsewhere);
-  2. keeps its engine, bootstrap server and data plane running until nothing is left: no request waiting,
-     running or loading KV, no prefill held for a D, no write in flight — and at least `grace_s` has passed,
-     so a proxy polling `/health` sees "draining" before the port closes;
-  3. then lets uvicorn close and the process exits 0.
-A second SIGTERM (or SIGINT) ends the drain at once; `timeout_s` bounds it otherwise.
-
-A busy engine is not a dead one: while a step runs longer than the drain's wait for the engine's state (a
-long prefill without chunking, a full batch on a slow CPU) the drain asks again, up to its bound; only an
-engine whose thread is gone (it died or was stopped) ends the drain early, as "engine gone".
-
-`timeout_s` also bounds the HTTP responses still in flight when the drain ends (a stream a slow client reads,
-a request the engine still works on): they get what is left of it, then they are cut, so the process exits
-within `timeout_s` plus what closing takes (under a second, unless the engine is inside a long step: stopping
-the engine waits for that step, at most 10 s). A close without a drain (SIGINT) gives them `timeout_s` from
-the signal. What a client sees when cut:
-  * a stream that started: its connection closes mid-stream, without `[DONE]` (an incomplete chunked body).
-    kvferry's proxy treats that as a D that died and resumes the stream on another D (serving/migrate.py,
-    `--migrations`, 2 by default), so its client gets the whole answer; with `--migrations 0` the proxy's
-    client sees the same cut;
-  * an answer that did not start (a non-streamed completion, or a stream still waiting for its first token):
-    the 503 `draining` a new request gets, which kvferry's proxy retries on another instance.
-
-`grace_s` is 0 by default: kvferry's proxy retries a refused connection on another instance, so P may close
-its port the moment it holds nothing; a load balancer that only polls `/health` wants a grace of a few of
-its polling intervals."""
+P holds the KV of every prefill it answered until D pulls it, so exiting early fails D's pull. A draining
+instance answers `/health` and new completions with 503 (so proxies retry elsewhere), keeps serving until
+it holds nothing and `grace_s` has passed, then exits 0. A second SIGTERM (or SIGINT) ends the drain at
+once; `timeout_s` bounds it otherwise, and also bounds the HTTP responses still in flight: past it, a
+started stream is cut mid-stream (kvferry's proxy resumes it on another D) and an unstarted answer gets
+the 503 `draining`. A busy engine is not a dead one: only an engine whose thread is gone ends the drain
+early."""
 
 from __future__ import annotations
 
@@ -71,10 +49,8 @@ def holds_nothing(state: dict[str, Any]) -> bool:
 
 
 class Drain:
-    """One instance's drain: started once (by a signal or by `POST /drain`), finished when `snapshot` says
-    the instance holds nothing, when `timeout_s` passes, or on `force()`. `snapshot(wait)` is
-    `Engine.snapshot`: the engine's state within `wait` seconds, EngineBusyError when its thread is in a
-    longer step, any other exception when it is gone."""
+    """One instance's drain, finished when `snapshot` says it holds nothing, when `timeout_s` passes, or on
+    `force()`. `snapshot(wait)` is `Engine.snapshot` (EngineBusyError while in a longer step)."""
 
     def __init__(self, snapshot: Callable[[float], dict[str, Any]], timeout_s: float, grace_s: float = 0.0) -> None:
         self._snapshot = snapshot
@@ -154,10 +130,8 @@ class Drain:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, but SIGTERM drains instead of closing at once; a second SIGTERM, or SIGINT (Ctrl-C,
-    and the test harness's stop), closes now. Either way the HTTP responses still in flight get what is left
-    of the drain's bound, then are cut (uvicorn alone would wait for them without a limit). The process exits
-    0 (uvicorn would re-raise the signal: exit -15)."""
+    """uvicorn's server, but SIGTERM drains; a second SIGTERM or SIGINT closes now. Responses in flight get
+    what is left of the drain's bound, then are cut (uvicorn would wait without limit); exits 0."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
@@ -213,9 +187,8 @@ class DrainingServer(uvicorn.Server):
 
 
 class _CutAnswers:
-    """ASGI wrapper that gives each request its answer when the server cuts it at the drain's bound: a 503
-    `draining` when its response has not started; a connection closed mid-stream when it has (returning
-    without completing the response makes uvicorn close the connection)."""
+    """ASGI wrapper for a request cut at the drain's bound: a 503 `draining` when its response has not
+    started; otherwise returning without completing it makes uvicorn close the connection mid-stream."""
 
     def __init__(self, app: ASGIApp, server: DrainingServer) -> None:
         self.app = app

@@ -1,20 +1,14 @@
 """Progressive push inside vLLM: P writes a long prompt's blocks to D as vLLM's chunked prefill completes
 them, instead of all of them after the prefill.
 
-Scheduler half (`ProgressTracker`, in the engine core): vLLM calls `build_connector_meta` before it
-advances `request.num_computed_tokens`, so the progress a step reaches is num_computed_tokens plus the
-tokens scheduled for the request in it. The request's block ids follow vLLM's `SchedulerOutput` as its
-model runner follows them: a new request's `block_ids`, a running one's `new_block_ids` appended, a
-resumed (preempted) one's replaced. Only a single KV cache group pushes progressively (a hybrid model's
-groups push after the prefill, as before).
+Scheduler half (`ProgressTracker`): `build_connector_meta` runs before vLLM advances
+`num_computed_tokens`, so a step's progress is that plus the tokens scheduled in it; block ids follow
+`SchedulerOutput` as the model runner does. Only a single KV cache group pushes progressively.
 
-Worker half (`ProgressGate`, in the worker): a step's progress is handed to the producer only in
-`wait_for_save`, which vLLM calls after that step's forward; with the KV cache on a device the gate
-first waits for the forward's kernels. A request vLLM preempts mid-prefill (its blocks freed and reused
-by the next forward) is rewound in `handle_preemptions`, which vLLM calls before that forward: no part
-starts from its old blocks, and the call returns once no write reads them. A write still reading them
-after `PREEMPT_WAIT_S` is cancelled and the transfer ends (D's pull fails with a typed cause and its
-policy decides). The recomputed prefill then pushes only positions not pushed yet, from its new blocks."""
+Worker half (`ProgressGate`): a step's progress reaches the producer only in `wait_for_save`, after the
+forward (on a device, after its kernels ran). A request preempted mid-prefill is rewound in
+`handle_preemptions`, before the forward that may reuse its blocks: it returns once no write reads them,
+cancelling one still reading after `PREEMPT_WAIT_S`."""
 
 from __future__ import annotations
 
