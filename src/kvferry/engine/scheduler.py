@@ -167,10 +167,8 @@ class Scheduler:
         return out
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        """Tokens of `request` to compute this step: all that remain, or a chunk ending on a block edge.
-
-        Where a chunk ends never changes the arithmetic (the model computes every position on the same
-        block tile whatever the split); block edges just keep chunks whole blocks."""
+        """Tokens of `request` to compute this step: all that remain, or a chunk ending on a block edge
+        (where a chunk ends never changes the arithmetic)."""
         start, remaining = request.num_computed_tokens, request.num_tokens - request.num_computed_tokens
         cap = self.config.max_prefill_chunk or remaining
         n = min(remaining, budget, cap)

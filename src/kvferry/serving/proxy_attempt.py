@@ -38,10 +38,9 @@ class Outcome(enum.Enum):
 
 class PrefillConnections:
     """P's requests, each on a connection of its own while it runs, closed on every way out but a whole
-    answer. Cancelling a request is how the proxy tells P to abort; cancelled mid-flight on a shared pool,
-    httpx leaves the socket open and out of the pool, never reclaimed. A connection whose answer was read
-    in full is kept for the next request to that P (a new connection costs TTFT), at most `max_idle` per
-    P and for at most `idle_s` (below uvicorn's 5 s keep-alive, so P never closes one we are about to use)."""
+    answer (cancelled mid-flight on a shared pool, httpx would leak the socket). A connection read in full
+    is kept for that P's next request, at most `max_idle` per P and for `idle_s`, below uvicorn's 5 s
+    keep-alive so P never closes one about to be used."""
 
     def __init__(self, max_idle: int = 8, idle_s: float = 2.0) -> None:
         self.max_idle = max_idle

@@ -1,11 +1,6 @@
-"""KVFerryConnector's scheduler half, in vLLM's engine core: what vLLM's scheduler asks the connector
-(how many tokens a request's KV brings, what the worker does this step, what to answer when a request
-ends) and what it hears back from the worker (sends ended, loads failed, and why).
-
-vLLM's `Request` and `SchedulerOutput` reach kvferry's `PDConnector` through two small views
-(`RequestLike`, `SchedulerOutputLike`); kv_transfer_params that can never work read as None, logged once.
-With vLLM's hybrid allocator the block ids of every KV cache group become one list of kvferry's virtual
-block ids, the same positions on P and D (groups.py)."""
+"""KVFerryConnector's scheduler half, in vLLM's engine core: vLLM's `Request` and `SchedulerOutput` reach
+kvferry's `PDConnector` through two small views; kv_transfer_params that can never work read as None,
+logged once."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""KVFerryConnector's worker half, in vLLM's worker (the model runner's process): it hands kvferry the
-KV cache's layout, starts each step's sends and pulls, and tells the scheduler which ended: each
-finished id once per direction, and only ids vLLM still holds (anything else would trip its asserts).
-
-Under tensor parallelism every worker is one kvferry rank: its own data plane, its own control socket
-(P) and its own pulls (D rank r pulls exactly its heads from the P ranks that hold them). vLLM's
-`KVOutputAggregator` finishes a request only when every rank reported it and unions the ranks' invalid
-blocks, so one rank's failed load fails (or recomputes) the whole request on every rank.
-
-With several KV cache groups (vLLM's hybrid allocator) a block id means nothing without its group, and
-vLLM 0.33's scheduler refuses block-level load errors: a failed load is reported per request instead
-(`failed_recving`), and vLLM then ends it (`fail`) or computes its whole prompt again (`recompute`)."""
+"""KVFerryConnector's worker half, in the model runner's process: it hands kvferry the KV cache's layout,
+starts each step's sends and pulls, and reports each finished id once per direction and only ids vLLM
+still holds (anything else trips vLLM's asserts). Under tensor parallelism every worker is one kvferry
+rank; vLLM finishes a request only when every rank reported it, so one rank's failed load fails the
+request on all. With several KV cache groups a failed load is reported per request (`failed_recving`)."""
 
 from __future__ import annotations
 

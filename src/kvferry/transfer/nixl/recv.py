@@ -1,17 +1,11 @@
 """The receiving side of the NIXL engine: grants, and the reads D makes on a sender's request.
 
-D never describes its memory to anyone: a grant token carries connection-only metadata. A sender asks
-(REQ notification) and D itself reads the bytes into the grant with a NIXL READ, after checking that
-every destination lies inside the open grant and that the sender's deadline has not passed. So the
-grant is enforced by D, progress is what D's own completed reads wrote (`written`), and `close`
-is a fence that never waits: it marks the grant closed (no read starts afterwards, none that ends
-counts) and returns the final `written` at once. Reads of the grant already posted (with cma they
-complete inside the posting call; over UCX's tcp they need the sender's progress, so a frozen sender
-holds them) may still land bytes: until each has ended (done or failed, as NIXL reports it), the grant
-is *draining* and its memory must not be reused (`draining`, which D's consumer asks before it hands
-the blocks back). A read is never cancelled to end it sooner: NIXL's release of an active read over
-UCX's tcp reports success, and its bytes still land when the sender resumes
-(tests/transfer/test_nixl_fence.py)."""
+D reads a sender's bytes into the grant itself, after checking every destination lies inside the open
+grant and the sender's deadline has not passed. `close` is a fence that never waits: no read starts
+afterwards and none that ends counts. Reads already posted may still land (a frozen sender holds them
+over UCX's tcp), so the grant is *draining* until each ended and its memory must not be reused. A read
+is never cancelled to end it sooner: NIXL reports releasing an active read as success, yet its bytes
+still land when the sender resumes."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Send side of the TCP engine: per-peer connection pool, handshake, zero-copy gather with sendmsg.
 
-Every socket call gets a timeout computed from the caller's deadline. A connection that saw any error
-is closed, never returned to the pool, so the next write to that peer starts from a fresh connection.
-A pooled connection is used only while younger (idle) than `Limits.client_idle`, half the server's
-idle timeout; one that turns out closed by the server before any reply came (a broken pipe, or EOF
-before any reply) is replaced once by a fresh connection and the write sent again: writes are
-idempotent, and the server only closes between messages."""
+Every socket call's timeout comes from the caller's deadline, and a connection that saw any error is
+closed, never pooled. A pooled connection is reused only while idle less than `Limits.client_idle`
+(below the server's idle timeout); one found closed before any reply is replaced once and the write
+sent again, which is safe because writes are idempotent and the server only closes between messages."""
 
 from __future__ import annotations
 
@@ -120,10 +118,8 @@ class TcpClient:
 
     # -- connection -----------------------------------------------------------------------------
     def _connect(self, peer: str, deadline: float, token: str = "") -> _Link:
-        """A fresh, authenticated connection. A handshake the server cut (it closed the connection, or
-        it stopped answering) is tried again on a new connection until `deadline`: the server bounds a
-        handshake as it would a stranger's, and a live peer starved of the CPU (or this process) can
-        outlast that bound. An explicit refusal (wrong secret, a relay) is final."""
+        """A fresh, authenticated connection. A handshake the server cut is retried until `deadline`: a
+        live but CPU-starved peer can outlast the server's bound. An explicit refusal is final."""
         backoff = HANDSHAKE_BACKOFF_S
         while True:
             try:

@@ -1,16 +1,10 @@
 """The built-in data plane: plain TCP, zero-copy gather on send, scatter into registered memory on receive.
 
-Sender (`write`): ops are coalesced, split into messages and sent with `sendmsg` straight from the
-registered source memory (an iovec table of addresses, `iovec`; memoryviews with a secret or off
-Linux); the call returns once the receiver acknowledged every message.
-Receiver: a listener thread plus one thread per connection; `recvmsg` scatters each message straight
-into registered memory (the same kind of table), and bytes land only inside an open grant
-(see `conn` for how `close_grant` fences writers). What a stranger can make it spend is capped
-(`tcp_limits`: connections in total and per IP, handshake, idle and frame deadlines, clamped ttl,
-frame sizes). With a shared secret (argument or env KVFERRY_SECRET) both ends prove knowledge of it
-in a handshake bound to both nonces and both addresses, and every message and reply carries a tag
-under a per-connection key (`tcp_auth`, `mac`): a relayed handshake or an altered byte is refused, and
-an authenticated message counts as written only once its tag verified."""
+`write` sends coalesced ops with `sendmsg` straight from registered memory and returns once the receiver
+acknowledged every message. The receiver scatters with `recvmsg` into registered memory, and bytes land
+only inside an open grant (`conn`). What a stranger can make it spend is capped (`limits`). With a
+shared secret both ends prove it in a handshake bound to both nonces and addresses, and every message
+and reply carries a per-connection tag (`auth`, `mac`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Turn a write's ops into wire messages: validate, coalesce adjacent runs, split, make iovecs.
 
-Vectorised with numpy: this runs once per write over thousands of small ops (the 2 KiB block case),
-and a per-op Python loop cost more than the bytes themselves. A message holds at most `wire.MSG_OPS`
-ops and `wire.MSG_BYTES` payload bytes (`wire.AUTH_MSG_BYTES` with a secret: each side encrypts or
-decrypts a whole message in one call, into buffers it reuses, and the receiver refuses larger ones)."""
+Vectorised with numpy, since a per-op Python loop costs more than the bytes. A message holds at most
+`wire.MSG_OPS` ops and `wire.MSG_BYTES` bytes (`wire.AUTH_MSG_BYTES` with a secret, as each side
+encrypts or decrypts a whole message in one call)."""
 
 from __future__ import annotations
 

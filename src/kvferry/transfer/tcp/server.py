@@ -1,11 +1,8 @@
 """Receive side of the TCP engine: the listener, and the budgets connections are held in.
 
-Strangers and peers never share a budget (see `limits`): an accepted connection is *pending* until its
-handshake succeeds (`Limits.max_pending` in total, `max_pending_per_bucket` from one address bucket, a
-new one evicting the oldest), then *proven* (`max_connections`, which no stranger reaches). The move
-happens before the server answers the handshake OK, so a peer told OK always holds its slot. Each
-connection gets a thread running `conn.Conn.serve`; the server hands it a frozen `ConnContext` (not
-itself, with `admit` as the one way back) and forgets the conn when its `serve` returns."""
+A connection is *pending* until its handshake succeeds, then *proven* (see `limits`). It moves before the
+server answers OK, so a peer told OK always holds its slot. Each connection's thread runs
+`conn.Conn.serve` with a frozen `ConnContext` (`admit` the one way back to the server)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Wire format of the built-in TCP engine (little endian, `struct` on the hot path).
 
-Connection:  server HELLO (+ its advertised address) → client AUTH (+ the address it dialed) → server
-AUTH_RESULT, then any number of write messages.
-Write message (client → server): MSG header, meta (region-name table + op table), payload bytes
-(the ops' bytes back to back, in op order).  The server answers every message with one REPLY: OK once
-every byte landed, or REJECTED/PROTOCOL with a reason (possibly before the payload was read).
-With a shared secret a message's payload is encrypted (AES-256-GCM, header and meta as associated
-data) and every message and every reply ends with a TAG_BYTES tag (see `auth`, `mac`)."""
+Connection: server HELLO (+ advertised address) → client AUTH (+ dialed address) → server AUTH_RESULT,
+then write messages: MSG header, meta (region-name table + op table), the ops' bytes in op order. Each
+gets one REPLY: OK once every byte landed, or REJECTED/PROTOCOL with a reason. With a secret the payload
+is encrypted and every message and reply ends with a TAG_BYTES tag (`auth`, `mac`)."""
 
 from __future__ import annotations
 
