@@ -29,9 +29,8 @@ class Rope:
 
 
 class ScratchKV:
-    """Per-thread `[2, kv_heads, capacity, head_dim]` K/V of the sequence being run, one per block size.
-
-    Its capacity is fixed, so the K/V operands of a position always have the same shape and strides."""
+    """Per-thread `[2, kv_heads, capacity, head_dim]` K/V, one per block size; its capacity is fixed so a
+    position's K/V operands always have the same shape and strides."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self._cfg = cfg

@@ -83,8 +83,8 @@ class TinyLlama:
         return logits
 
     def forward_batch(self, kv_cache: FloatArray, block_size: int, chunks: Sequence[SeqChunk]) -> list[FloatArray | None]:
-        """`forward` for chunks of distinct sequences in one call (an engine step); each one's last-position
-        logits (None where `want_logits` is False). Each sequence gets the bits it would get alone."""
+        """`forward` for chunks of distinct sequences in one call; each one's last-position logits (None
+        where `want_logits` is False), the bits it would get alone."""
         seqs = [self._prepare(kv_cache, block_size, chunk) for chunk in chunks]
         rows = self._generated_rows(seqs, block_size)
         prompts = [seq.prompt for seq in seqs if seq.prompt.live]

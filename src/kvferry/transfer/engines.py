@@ -1,13 +1,9 @@
-"""The `--transfer` factory: one data-plane engine for a name.
-
-Each engine is imported only when named, so a missing optional library (nixl, mooncake) matters only
-to whoever asks for it."""
+"""The `--transfer` factory: each engine is imported only when named, so a missing optional library
+matters only to whoever asks for it."""
 
 from __future__ import annotations
 
 from kvferry.transfer.base import TransferEngine
-
-NAMES = ("tcp", "mooncake", "nixl")
 
 
 def new_engine(name: str, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None,

@@ -28,9 +28,8 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
 
 
 class Progress:
-    """How far one incoming message got: ops[:done] complete, then `partial` bytes of ops[done].
-
-    The receive loop only bumps two integers per chunk; spans are built when someone asks."""
+    """How far one incoming message got: ops[:done] complete, then `partial` bytes of ops[done]; spans are
+    built only when someone asks, so the receive loop bumps two integers per chunk."""
 
     __slots__ = ("names", "ridx", "offs", "lens", "done", "partial", "folded", "finished")
 
@@ -73,8 +72,8 @@ class Grant:
         self._active.append(progress)
 
     def poison(self) -> None:
-        """A message under this grant failed its tag: the grant reports nothing written from now on and
-        refuses every further byte (as if closed), so its transfer ends failed. Caller holds `lock`."""
+        """A message failed its tag: nothing counts as written and every further byte is refused, so the
+        transfer fails. Caller holds `lock`."""
         self.poisoned = True
         self.open = False
 

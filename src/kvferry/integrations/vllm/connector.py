@@ -66,7 +66,6 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.settings = KVFerrySettings.from_extra_config(extra, str(kv_config.engine_id)).for_data_parallel(
             int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra)
         self.block_size = int(vllm_config.cache_config.block_size)
-        # vLLM's KV cache groups (hybrid allocator): which blocks of which layers move (groups.py)
         self.groups = None if kv_cache_config is None else KVGroups.from_config(kv_cache_config, self.block_size)
         self.num_blocks = 0 if kv_cache_config is None else int(kv_cache_config.num_blocks)
         is_scheduler = role == KVConnectorRole.SCHEDULER

@@ -125,7 +125,6 @@ class VllmKVLayout(KVLayout):
         if not 0 <= tp_rank < tp_size:
             raise UnsupportedKVCacheError(f"tensor parallel rank {tp_rank} out of range for size {tp_size}")
         self.replicated = replicated
-        # model-wide; this rank holds [tp_rank * held, ... + held), or all of them when replicated
         self.num_kv_heads = held if replicated else held * tp_size
         first_head = 0 if replicated else tp_rank * held
         self._block_bytes = sum(

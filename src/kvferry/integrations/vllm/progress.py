@@ -50,8 +50,8 @@ class ProgressTracker:
         self._blocks.pop(request_id, None)
 
     def step(self, scheduler_output: Any) -> list[tuple[str, str]]:
-        """Tell the prefill side the progress this step reaches; returns (transfer id, request id) of the
-        tracked requests vLLM preempted while scheduling it."""
+        """Tell the prefill side the progress this step reaches; returns (transfer id, request id) of
+        tracked requests preempted in it."""
         if not self._requests:
             return []
         for new in scheduler_output.scheduled_new_reqs:
@@ -110,8 +110,7 @@ class ProgressGate:
             producer.add_progress(p.transfer_id, p.request_id, p.block_ids, p.num_tokens, p.prompt_digest)
 
     def preempted(self, requests: list[tuple[str, str]]) -> None:
-        """vLLM's `handle_preemptions`, before the forward that may reuse their blocks: no write reads
-        them when this returns."""
+        """vLLM's `handle_preemptions`: no write reads their blocks when this returns."""
         producer = self.prefill.worker.producer
         if not requests or producer is None:
             return

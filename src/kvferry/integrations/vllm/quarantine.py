@@ -21,8 +21,8 @@ log = logging.getLogger("kvferry.integrations.vllm.quarantine")
 
 
 class WorkerQuarantine:
-    """The worker half's side: asks D's connector to quarantine, and sorts its report into what vLLM is
-    told (`failed_recving`) and what the scheduler half is told (quarantined, released)."""
+    """The worker half's side: sorts D's reports into what vLLM is told (`failed_recving`) and what the
+    scheduler half is told (quarantined, released)."""
 
     def __init__(self, decode: PDConnector | None) -> None:
         self.decode = decode
@@ -51,8 +51,8 @@ class WorkerQuarantine:
 
 
 class BlockQuarantine:
-    """The scheduler half's side: one extra reference on each block of a quarantined request in vLLM's
-    `BlockPool`, from when vLLM learns the load ended until every rank's reads of it ended."""
+    """The scheduler half's side: one extra `BlockPool` reference on each block of a quarantined request
+    until every rank's reads of it ended."""
 
     def __init__(self) -> None:
         self.manager: Any = None  # vLLM's KVCacheManager (bind)
@@ -74,8 +74,7 @@ class BlockQuarantine:
         return sum(len(blocks) for blocks in self.held.values())
 
     def update(self, meta: Any, finished_recving: set[str]) -> None:
-        """One step's reports (`meta`: the ranks' worker metadata, if any), before vLLM frees the blocks of
-        the requests that finished receiving."""
+        """One step's reports, before vLLM frees the blocks of the requests that finished receiving."""
         quarantined, released = {}, {}
         if isinstance(meta, KVFerryWorkerMetadata):
             quarantined, released = meta.quarantined, meta.released

@@ -1,6 +1,5 @@
-"""KVFerryConnector's settings: the keys of vLLM's `kv_connector_extra_config`, checked once when the
-connector starts (an unknown key, an open host without a secret or a bad fault spec fails fast), and the
-`PDConfig` each role's `PDConnector` gets."""
+"""KVFerryConnector's settings: vLLM's `kv_connector_extra_config`, checked once at start so a mistake fails
+fast, and the `PDConfig` each role's `PDConnector` gets."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from kvferry.connector.bootstrap import PrefillAllowList
 from kvferry.connector.config import PDConfig
 from kvferry.connector.faults import FaultSpec
 
-# A child of the integration's logger (kvferry.integrations.vllm): one name to configure for all of it.
 log = logging.getLogger("kvferry.integrations.vllm.settings")
 
 PREFILL, DECODE = "prefill", "decode"
@@ -26,8 +24,7 @@ ROLES = {"kv_producer": (PREFILL,), "kv_consumer": (DECODE,), "kv_both": (PREFIL
 
 
 def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple[str, ...]:
-    """The kvferry sides (prefill, decode) this vLLM instance runs, or ValueError for a vLLM setup
-    kvferry does not support."""
+    """The kvferry sides this vLLM instance runs, or ValueError for a setup kvferry does not support."""
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("KVFerryConnector does not support pipeline parallelism yet (pipeline_parallel_size "
@@ -51,8 +48,7 @@ def is_mla(vllm_config: Any) -> bool:
 
 @dataclass(frozen=True)
 class KVFerrySettings:
-    """`kv_connector_extra_config` keys (all optional). Unknown keys are rejected, so a typo fails fast.
-    The defaults are `PDConfig`'s, read by field."""
+    """`kv_connector_extra_config` keys (all optional; unknown keys are rejected). Defaults are `PDConfig`'s."""
 
     engine_id: str  # default: vLLM's kv_transfer_config.engine_id
     host: str = PDConfig.host  # address P's bootstrap/control/transfer endpoints bind and advertise; env KVFERRY_HOST
@@ -66,8 +62,7 @@ class KVFerrySettings:
     heartbeat_interval_s: float = PDConfig.heartbeat_interval_s
     heartbeat_timeout_s: float = PDConfig.heartbeat_timeout_s
     heartbeat_ceiling_s: float = PDConfig.heartbeat_ceiling_s  # most a slow P is waited on (liveness adapts up to it)
-    # Copy KV through a host mirror: "auto" when the KV cache is not in host memory (a GPU), "always"
-    # (host memory too: tests), "never" (a KV cache on a device is refused)
+    # Copy KV through a host mirror: "auto" (a device KV cache), "always", "never" (a device one is refused)
     staging: str = "auto"
     prefill_allow: tuple[str, ...] = PDConfig.prefill_allow  # D: the hosts whose bootstrap servers it may pull from
     bootstrap_timeout_s: float = PDConfig.bootstrap_timeout_s  # D: a bootstrap lookup fails after this (a refused one too)
@@ -87,7 +82,6 @@ class KVFerrySettings:
         unknown = sorted(set(extra) - set(keys))
         if unknown:
             raise ValueError(f"unknown kvferry setting(s) {unknown} in kv_connector_extra_config; known: {keys}")
-        # Each key given is cast to its field's type; a key not given keeps the field's default.
         given = {**extra, "engine_id": extra.get("engine_id") or default_engine_id}
         given.setdefault("host", os.environ.get("KVFERRY_HOST", cls.host))
         given.setdefault("faults", os.environ.get("KVFERRY_FAULTS", cls.faults))
@@ -112,9 +106,8 @@ class KVFerrySettings:
         return settings
 
     def for_data_parallel(self, dp_rank: int, dp_size: int, tp_size: int, engine_id_given: bool) -> KVFerrySettings:
-        """Each data parallel rank is its own engine: its own engine id (vLLM already suffixes its own
-        id with `_dp<rank>`; one from the extra config gets the same), bootstrap port + dp_rank, and
-        fixed ports shifted past the lower ranks' ranks."""
+        """Each data parallel rank is its own engine: engine id `_dp<rank>` (as vLLM suffixes its own),
+        bootstrap port + dp_rank, fixed ports shifted past the lower ranks'."""
         if dp_size <= 1:
             return self
         return dataclasses.replace(

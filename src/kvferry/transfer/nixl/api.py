@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 _BACKENDS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
-# The UCX progress thread's poll() timeout (µs, rounded up to ms). It wakes at once on UCX's events;
-# the timeout only bounds how late it notices what raises none.
+# The UCX progress thread's poll() timeout (µs): it bounds how late it notices what raises no event.
 PROGRESS_DELAY_US = 1000
 LISTEN_DELAY_US = 100_000  # nixl_agent's own value (there is no listener thread here)
 INSTALL_HINT = "pip install 'kvferry[nixl]' (or nixl-cu12 and nixl --no-deps)"

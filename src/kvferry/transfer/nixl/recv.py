@@ -85,8 +85,7 @@ class Receiver:
 
     @property
     def busy(self) -> bool:
-        """Grants are open: requests and reads for them want prompt polls. Reads of closed grants alone
-        (held by a frozen sender) do not: when they end only decides when quarantined memory is reused."""
+        """Grants are open: requests and reads for them want prompt polls (reads of closed grants do not)."""
         return bool(self._by_token)
 
     @property
@@ -256,16 +255,14 @@ class Receiver:
         return None
 
     def _in_regions(self, names: list[str], ridx: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> bool:
-        """Every op names one of the grant's regions and lies inside that region, checked before the grant
-        (as the TCP plane does) so that no sum below can wrap: a region is far smaller than 2**64."""
+        """Every op lies inside one of the grant's regions, checked first so that no sum below can wrap."""
         if bool((ridx >= len(names)).any()):
             return False
         sizes = np.array([r.size if (r := self._regions.get(n)) else 0 for n in names], np.uint64)[ridx]
         return not bool(((dst > sizes) | (lens > sizes - np.minimum(dst, sizes))).any())
 
     def poll(self) -> bool:
-        """Check posted reads; True when one of them ended (the pump's sign of progress: a read held by
-        a frozen sender ends nothing, so the pump backs off rather than spin on it)."""
+        """Check posted reads; True when one ended (the pump's sign of progress)."""
         with self._lock:
             reads = list(self._reads)
         ended = False

@@ -101,8 +101,7 @@ class TcpClient:
         link.sock.close()
 
     def abort(self, peer: str, token: str | None = None) -> None:
-        """Make the write to `peer` for grant `token` (every write to `peer` when None) fail now,
-        handshake included; other transfers' writes to the same peer go on."""
+        """Make the write to `peer` for `token` (all when None) fail now, handshake included."""
         with self._lock:
             busy = [k for k, p in self._busy.items() if p == peer and token in (None, k.token)]
             idle = self._idle.pop(peer, []) if token is None else []
@@ -204,8 +203,7 @@ class TcpClient:
                 self._read_reply(link, peer, deadline)
                 replies += 1
         except (BrokenPipeError, EOFError) as e:
-            # The server closed this idle connection before our bytes came (it never closes mid-message
-            # without a reply): nothing of this write was taken, so it may go again on a fresh one.
+            # The server closed this idle connection before our bytes came: nothing was taken, resend.
             if link.pooled and not replies and not link.aborted and not self._closed:
                 raise _Stale() from e
             raise
@@ -221,8 +219,8 @@ class TcpClient:
         self._send_parts(sock, [memoryview(msg.head), *msg.views], deadline)
 
     def _send_sealed(self, link: _Link, tags: Tags, msg: Message, deadline: float) -> None:
-        """Header + meta in clear (the tag covers them), the payload encrypted, then the tag: gathered
-        into one buffer (one copy), sealed in one call into the link's reusable output buffer."""
+        """Header + meta in clear (the tag covers them), the payload encrypted, then the tag, sealed in one
+        call into the link's reusable buffer."""
         size = msg.payload + wire.TAG_BYTES
         if len(link.out) < size:
             link.out = bytearray(size)

@@ -71,8 +71,8 @@ class Conn(SockIO):
         self._replies = bytearray()  # replies not sent yet (`reply`)
 
     def reply(self, status: wire.Status, code: wire.Code, reason: str = "") -> None:
-        """Replies go out in order; an OK waits while the next message is already arriving (the client
-        reads replies once it sent every message): one send for many 1 MiB sealed messages, not one each."""
+        """Replies go out in order; an OK waits while the next message is already arriving, so many
+        messages cost one send."""
         data = wire.encode_reply(status, code, reason)
         if self.tags is not None:  # the reply to message k carries a tag with sequence number k
             data += self.tags.send.tag(self.tags.sent, data)

@@ -26,8 +26,7 @@ from kvferry.transfer.tcp.server import TcpServer
 class TcpTransferEngine(TransferEngine):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
                  advertise: str | None = None, limits: Limits | None = None) -> None:
-        """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind); port 0
-        there means the bound port."""
+        """`advertise`: the `host:port` peers dial when not the bound one (port 0: the bound port)."""
         # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything listens.
         key = secret_rules.from_env() if secret is None else (secret_rules.check_secret(secret) if secret else None)
         self._auth = key is not None

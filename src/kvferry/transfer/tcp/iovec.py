@@ -117,8 +117,8 @@ class Io:
 
 
 def advance(iov: np.ndarray, ends: list[int], i: int, pos: int) -> int:
-    """After `pos` bytes of the table's stream went through: the first incomplete row, re-pointed at
-    its rest when it went through partly. `ends[k]` is where row k ends in the stream."""
+    """The first incomplete row after `pos` bytes went through, re-pointed at its rest; `ends[k]` is where
+    row k ends in the stream."""
     k = bisect.bisect_right(ends, pos, i)
     if k < len(ends):
         rest = ends[k] - pos

@@ -37,8 +37,7 @@ class Limits:
 
 
 def bucket(ip: str) -> str:
-    """The block of addresses one party is assumed to hold: an IPv4 /24 (all of 127/8 as one: any
-    local process can use any of it), an IPv6 /64 (what one subscriber gets); mapped IPv4 as IPv4."""
+    """The addresses one party is assumed to hold: an IPv4 /24 (all of 127/8), an IPv6 /64."""
     try:
         addr = ipaddress.ip_address(ip.split("%", 1)[0])
     except ValueError:

@@ -26,12 +26,10 @@ class Message:
     head: bytes
     views: list[memoryview]  # empty when `iov` is set
     payload: int
-    # Without auth (on Linux): rows (address, length), the head first, then each op's source bytes;
-    # `keep` holds the source buffers alive for as long as the message may be sent.
+    # Without auth (Linux): rows (address, length), the head first; `keep` holds the sources alive.
     iov: np.ndarray | None = None
     keep: list[object] = field(default_factory=list)
-    # With a secret, when every op has one source region and one length: (that region's `windows`,
-    # the ops' source offsets); `views` is then empty and the sender gathers with one numpy call.
+    # With a secret and one source region and length: (the region's `windows`, the ops' offsets).
     rows: tuple[np.ndarray, np.ndarray] | None = None
 
 

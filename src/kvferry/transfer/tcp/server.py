@@ -77,8 +77,7 @@ class TcpServer:
                 self.forget(conn)
 
     def _make_room(self, new: str) -> Conn | None:
-        """The pending connection a newcomer from bucket `new` evicts, if the budget is full (lock held):
-        the oldest of its own bucket once that holds its share, else the oldest of the fullest bucket."""
+        """The pending connection a newcomer from bucket `new` evicts when the budget is full (lock held)."""
         lim = self.limits
         if self._per_bucket.get(new, 0) >= lim.max_pending_per_bucket:
             take = new
@@ -106,8 +105,7 @@ class TcpServer:
         return True
 
     def _admit(self, conn: Conn) -> bool:
-        """The handshake succeeded: move `conn` to the proven budget. False if it was evicted meanwhile
-        or the proven budget is full (the server then closes it without answering OK)."""
+        """Move `conn` to the proven budget; False if it was evicted or that budget is full."""
         with self._lock:
             if not self._drop_pending(conn):
                 return False  # evicted while it finished
