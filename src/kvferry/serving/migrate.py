@@ -124,8 +124,7 @@ class Migration:
         try:
             event = json.loads(payload)
         except ValueError:
-            self.state.resumable = False
-            return f"data: {payload}\n\n".encode()
+            event = None
         if not isinstance(event, dict):
             self.state.resumable = False
             return f"data: {payload}\n\n".encode()
@@ -135,8 +134,7 @@ class Migration:
         if isinstance(ids, list):
             self.state.token_ids.extend(ids)
         elif "error" not in event and _text_of(event):
-            # Text without its tokens: a D that announces no ids (vLLM). An event with no text (vLLM's role
-            # chunk) takes nothing from what a resume needs: the ids still spell the client's text.
+            # Text without its tokens (a vLLM D); an event without text takes nothing a resume needs.
             self.state.resumable = False
         self._one_role(event)
         # One stream, one id: a resumed D names its events as the first D did.
@@ -160,8 +158,7 @@ class Migration:
 
 
 def is_aborted(body: Any) -> bool:
-    """An answer or a stream event in which D aborted the request (vLLM's finish_reason "abort": its
-    SIGTERM without --shutdown-timeout, or any other abort D made on its own)."""
+    """An answer or a stream event in which D aborted the request (vLLM's finish_reason "abort")."""
     return isinstance(body, dict) and _finish_reason(body) == "abort"
 
 

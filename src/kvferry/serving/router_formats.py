@@ -115,7 +115,7 @@ class EngineResolver:
     def __init__(self, allow: PrefillAllowList, timeout_s: float = FAIL_AFTER_S) -> None:
         self._allow = allow
         self._timeout_s = timeout_s
-        # Valid answers (kept when stale: a server here once answered, so it fails fast with its reason).
+        # Valid answers, kept when stale: a server that once answered fails fast with its reason.
         self._cache: dict[str, tuple[float, list[str]]] = {}
 
     async def engine_for(self, bootstrap_addr: str, room: int) -> str:
