@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvferry.connector.base import KVConnector, NoOpConnector
@@ -80,14 +80,9 @@ class Engine:
         self.scheduler_connector = scheduler_connector or NoOpConnector()
         self.worker_connector = worker_connector or self.scheduler_connector
         self.worker_connector.register_kv_cache(self.kv_spec, self.kv_cache)
-        sched_config = SchedulerConfig(
-            block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_prefill_chunk=config.max_prefill_chunk,
-            max_num_seqs=config.max_num_seqs,
-            kv_load_failure_policy=config.kv_load_failure_policy,
-            vocab_size=self.model.config.vocab_size,  # P's first token in any other id: D computes its own
-        )
+        shared = {f.name for f in fields(SchedulerConfig)} & {f.name for f in fields(config)}
+        # vocab_size: P's first token in any other id is not used (D computes its own).
+        sched_config = SchedulerConfig(vocab_size=self.model.config.vocab_size, **{n: getattr(config, n) for n in shared})
         self.scheduler = Scheduler(sched_config, self.pool, self.scheduler_connector)
         self._streams = Streams(self.metrics)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

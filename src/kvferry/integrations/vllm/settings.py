@@ -119,30 +119,11 @@ class KVFerrySettings:
         )
 
     def pd_config(self, role: str, block_size: int, tp_size: int = 1, tp_rank: int = 0) -> PDConfig:
-        return PDConfig(
-            role=role,
-            engine_id=self.engine_id,
-            host=self.host,
-            tp_size=tp_size,
-            tp_rank=tp_rank,  # one vLLM worker process = one kvferry rank of tp_size
-            block_size=block_size,
-            bootstrap_port=self.bootstrap_port,
-            abort_timeout_s=self.abort_timeout_s,
-            kv_load_deadline_s=self.kv_load_deadline_s,
-            transfer=self.transfer,
-            checksums=self.checksums,
-            faults=FaultSpec.parse(self.faults),
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-            heartbeat_ceiling_s=self.heartbeat_ceiling_s,
-            prefill_allow=self.prefill_allow,
-            bootstrap_timeout_s=self.bootstrap_timeout_s,
-            control_port=self.control_port,
-            data_port=self.data_port,
-            advertise_host=self.advertise_host,
-            progressive_push=self.progressive_push,
-            progressive_min_tokens=self.progressive_min_tokens,
-        )
+        """One vLLM worker process is one kvferry rank of `tp_size`; every setting `PDConfig` shares carries over."""
+        shared = {f.name for f in dataclasses.fields(PDConfig)} & {f.name for f in dataclasses.fields(self)}
+        return PDConfig(role=role, tp_size=tp_size, tp_rank=tp_rank, block_size=block_size,
+                        faults=FaultSpec.parse(self.faults),
+                        **{name: getattr(self, name) for name in shared - {"faults"}})
 
 
 def check_nixl(host: str, insecure: bool) -> None:
