@@ -1,13 +1,9 @@
-"""Graceful drain: SIGTERM (or `POST /drain`, for a Kubernetes preStop hook) stops admitting requests and
-lets the instance finish what it holds before it exits 0.
+"""Graceful drain: SIGTERM (or `POST /drain`) stops admitting requests and lets the instance finish what it
+holds before it exits 0, because P holds the KV of every prefill it answered until D pulls it.
 
-P holds the KV of every prefill it answered until D pulls it, so exiting early fails D's pull. A draining
-instance answers `/health` and new completions with 503 (so proxies retry elsewhere), keeps serving until
-it holds nothing and `grace_s` has passed, then exits 0. A second SIGTERM (or SIGINT) ends the drain at
-once; `timeout_s` bounds it otherwise, and also bounds the HTTP responses still in flight: past it, a
-started stream is cut mid-stream (kvferry's proxy resumes it on another D) and an unstarted answer gets
-the 503 `draining`. A busy engine is not a dead one: only an engine whose thread is gone ends the drain
-early."""
+A draining instance answers `/health` and new completions with 503, so proxies retry elsewhere. A second
+SIGTERM (or SIGINT) ends the drain at once; `timeout_s` bounds it and the responses still in flight. A
+busy engine is not a dead one: only an engine whose thread is gone ends the drain early."""
 
 from __future__ import annotations
 

@@ -27,6 +27,13 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
     return out
 
 
+def allowed_arrays(spans: Sequence[Span]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Merged spans per region as sorted (starts, ends) arrays, for vectorised checks."""
+    return {region: (np.array([s[1] for s in spans if s[0] == region], np.uint64),
+                     np.array([s[2] for s in spans if s[0] == region], np.uint64))
+            for region in dict.fromkeys(s[0] for s in spans)}
+
+
 class Progress:
     """How far one incoming message got: ops[:done] complete, then `partial` bytes of ops[done]; spans are
     built only when someone asks, so the receive loop bumps two integers per chunk."""
@@ -55,14 +62,7 @@ class Grant:
         self.token = token
         self.lock = threading.Lock()
         self.open = True
-        # Merged allowed ranges per region as sorted arrays, for vectorised checks.
-        self.allowed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for region in {s[0] for s in spans}:
-            mine = [s for s in spans if s[0] == region]
-            self.allowed[region] = (
-                np.array([s[1] for s in mine], np.uint64),
-                np.array([s[2] for s in mine], np.uint64),
-            )
+        self.allowed = allowed_arrays(spans)
         self._landed: list[Span] = []  # merged
         self._active: list[Progress] = []  # messages landing (or that landed) since the last fold
         self.poisoned = False  # a tag failed on this grant: nothing of it counts, nothing more lands

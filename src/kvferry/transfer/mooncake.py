@@ -1,11 +1,9 @@
 """Optional backend on Mooncake Transfer Engine (`pip install 'kvferry[mooncake]'` + Debian libibverbs1).
 
 Mooncake writes raw memory on the receiver without asking it, so this backend cannot enforce grants: the
-token carries the receiver's region base addresses, `written` is always empty, `close_grant` is NOT a
-fence (bytes may land seconds after a failed call) and `tracks_progress` is False. Its listeners bind
-all interfaces without authentication. Guard rails: one sending engine per peer with at most one job in
-flight (more can wedge the peer's connection), every call on a worker thread waited for only until the
-deadline (a timed-out peer gets a fresh engine), and runs coalesced before submission."""
+token carries the receiver's base addresses, `written` is always empty, `close_grant` is NOT a fence and
+`tracks_progress` is False. Its listeners bind all interfaces without authentication. One sending engine
+per peer with one job in flight (more can wedge the connection), waited for only until the deadline."""
 
 from __future__ import annotations
 

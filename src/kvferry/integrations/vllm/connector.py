@@ -5,14 +5,7 @@
         "kv_connector_extra_config": {"bootstrap_port": 8998}}'
 
 Both roles delegate to kvferry's `PDConnector` (`kv_both`: one of each, chosen per request by its
-kv_transfer_params). This facade routes each call to `KVFerryScheduler` (engine core) or `KVFerryWorker`
-(worker). Only `kvferry.integrations.vllm` imports vLLM; `import kvferry` never does.
-
-vLLM's scheduler needs each finished id reported once per direction and only for ids it still holds,
-and a failed load reported with its invalid blocks in the same step (so `kv_load_failure_policy`
-decides; with several KV cache groups, as `failed_recving`). kvferry needs P to learn of a transfer when
-its request is queued (`on_new_request`, or `get_num_new_matched_tokens` on older vLLM), so P's queueing
-time never counts against D's receive timeout or P's abort timeout."""
+kv_transfer_params); this facade routes each call to `KVFerryScheduler` (engine core) or `KVFerryWorker`."""
 
 from __future__ import annotations
 

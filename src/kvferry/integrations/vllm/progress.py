@@ -1,14 +1,8 @@
-"""Progressive push inside vLLM: P writes a long prompt's blocks to D as vLLM's chunked prefill completes
-them, instead of all of them after the prefill.
+"""Progressive push inside vLLM: P writes a long prompt's blocks to D as chunked prefill completes them.
 
-Scheduler half (`ProgressTracker`): `build_connector_meta` runs before vLLM advances
-`num_computed_tokens`, so a step's progress is that plus the tokens scheduled in it; block ids follow
-`SchedulerOutput` as the model runner does. Only a single KV cache group pushes progressively.
-
-Worker half (`ProgressGate`): a step's progress reaches the producer only in `wait_for_save`, after the
-forward (on a device, after its kernels ran). A request preempted mid-prefill is rewound in
-`handle_preemptions`, before the forward that may reuse its blocks: it returns once no write reads them,
-cancelling one still reading after `PREEMPT_WAIT_S`."""
+`ProgressTracker` (scheduler): a step's progress is `num_computed_tokens` plus the tokens scheduled in it.
+`ProgressGate` (worker): that progress reaches the producer only after the step's forward ran; a request
+preempted mid-prefill is rewound before the forward that may reuse its blocks."""
 
 from __future__ import annotations
 

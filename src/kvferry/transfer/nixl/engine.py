@@ -1,16 +1,11 @@
 """Optional data plane on NIXL (UCX): `pip install 'kvferry[nixl]'`; `--transfer nixl`.
 
 NIXL and UCX authenticate nothing, and a UCX peer can make a worker write anywhere in its process, so
-this engine never lets a peer write into it: the sender asks with a notification (REQ) and the receiver
-D reads the bytes into its grant with a NIXL READ, after checking every destination lies inside the
-open grant. So grants are enforced by D, a token describes none of D's memory, and `written` is exactly
-what D's completed reads wrote. `close_grant` never waits: reads already posted may still land, so the
-grant is `draining` until each has ended. With KVFERRY_SECRET, tokens and notifications carry HMAC tags;
-without it the 128-bit grant id is the capability. UCX's own listener still accepts anyone, which is why
-`kvferry serve` refuses `nixl` off loopback without `--insecure`.
-
-The engine's `address` is a reserved, bound, never-listening port: it names the engine, and a sender
-refuses a token whose address is not the peer it was told to write to."""
+this engine never lets a peer write into it: the sender asks with a notification (REQ) and D reads the
+bytes into its own grant (recv.py). With KVFERRY_SECRET, tokens and notifications carry HMAC tags;
+without it the 128-bit grant id is the capability. UCX's listener still accepts anyone, which is why
+`kvferry serve` refuses `nixl` off loopback without `--insecure`. The engine's `address` is a reserved,
+never-listening port that names it; a sender refuses a token whose address is not the peer it dials."""
 
 from __future__ import annotations
 

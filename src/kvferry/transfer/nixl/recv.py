@@ -1,9 +1,8 @@
-"""The receiving side of the NIXL engine: grants, and the reads D makes on a sender's request.
+"""The receiving side of the NIXL engine: grants, and the reads D makes on a sender's request, after
+checking every destination lies inside the open grant and the sender's deadline has not passed.
 
-D reads a sender's bytes into the grant itself, after checking every destination lies inside the open
-grant and the sender's deadline has not passed. `close` is a fence that never waits: no read starts
-afterwards and none that ends counts. Reads already posted may still land (a frozen sender holds them
-over UCX's tcp), so the grant is *draining* until each ended and its memory must not be reused. A read
+`close` is a fence that never waits: no read starts afterwards and none that ends counts. Reads already
+posted may still land (a frozen sender holds them), so the grant is *draining* until each ended. A read
 is never cancelled to end it sooner: NIXL reports releasing an active read as success, yet its bytes
 still land when the sender resumes."""
 
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause
-from kvferry.transfer.grants import Span, grant_spans, merge_spans
+from kvferry.transfer.grants import Span, allowed_arrays, grant_spans, merge_spans
 from kvferry.transfer.nixl import wire as nw
 from kvferry.transfer.nixl.regions import NixlRegions, Peers
 
@@ -107,11 +106,7 @@ class Receiver:
             region = self._regions.get(name)
             assert region is not None
             infos.append((name, region.mem, region.dev))
-        allowed = {
-            name: (np.array([s[1] for s in merged if s[0] == name], np.uint64),
-                   np.array([s[2] for s in merged if s[0] == name], np.uint64))
-            for name in names
-        }
+        allowed = allowed_arrays(merged)
         gid = nw.new_gid()
         address, agent, md = self._token_info()
         token = nw.encode_token(nw.Token(gid, address, agent, md, tuple(infos)), self._keys)

@@ -1,13 +1,10 @@
 """One accepted data-plane connection: handshake, frame checks, grant checks, scatter into memory.
 
-Every wait is a `poll` with a deadline from `Limits` and every read is MSG_DONTWAIT, so payload bytes
-are only copied by a short non-blocking call made under the grant's lock right after checking the grant
-is open: that makes `close_grant` a fence. Nothing is allocated for a frame before its bytes arrive.
-
-Without a secret a rejected message is answered at once and its payload drained, keeping the connection
-usable. With a secret the whole message is staged, decrypted and verified in one call, and only then
-copied under the grant's lock, so no unverified byte reaches D's memory; a bad tag poisons the grant
-(the transfer fails and D recomputes) and closes the connection, as does a malformed frame."""
+Payload bytes are only copied by a short non-blocking call made under the grant's lock right after
+checking the grant is open: that makes `close_grant` a fence. Without a secret a rejected message is
+answered at once and its payload drained, keeping the connection usable. With a secret the whole message
+is staged and verified first, so no unverified byte reaches D's memory; a bad tag poisons the grant and
+closes the connection, as does a malformed frame."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The built-in data plane: plain TCP, zero-copy gather on send, scatter into registered memory on receive.
-
-`write` sends coalesced ops with `sendmsg` straight from registered memory and returns once the receiver
-acknowledged every message. The receiver scatters with `recvmsg` into registered memory, and bytes land
-only inside an open grant (`conn`). What a stranger can make it spend is capped (`limits`). With a
-shared secret both ends prove it in a handshake bound to both nonces and addresses, and every message
-and reply carries a per-connection tag (`auth`, `mac`)."""
+"""The built-in data plane: plain TCP, zero-copy gather on send (`client`), scatter into registered memory
+on receive (`server`, `conn`), bytes landing only inside an open grant. What a stranger can make it spend
+is capped (`limits`); with a shared secret both ends authenticate and every message is sealed (`auth`)."""
 
 from __future__ import annotations
 

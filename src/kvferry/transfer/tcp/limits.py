@@ -1,11 +1,9 @@
-"""What a stranger who reaches the data-plane port can make the receiver spend, bounded by construction.
-Each limit is a named constant and the default of one `Limits` field; each refusal is counted in `stats`.
+"""What a stranger who reaches the data-plane port can make the receiver spend, bounded by construction:
+each limit is the default of one `Limits` field, each refusal counted in `stats`.
 
-Strangers and peers never share a budget: a connection is *pending* until its handshake succeeded, then
-moves to the proven budget only peers reach. A full pending budget evicts the oldest pending connection
-of the arrival's bucket when that bucket holds its share, else of the fullest bucket, so a flood of
-half-open connections only churns itself. `MAX_TTL_S` bounds how long a stalled or hostile message holds
-a thread: a message carries at most 256 MiB, well under a minute even on a slow link."""
+Strangers and peers never share a budget: a connection is *pending* until its handshake succeeded. A full
+pending budget evicts the oldest pending connection of the arrival's bucket when that bucket holds its
+share, else of the fullest bucket, so a flood of half-open connections only churns itself."""
 
 from __future__ import annotations
 

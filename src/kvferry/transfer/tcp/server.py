@@ -1,8 +1,5 @@
-"""Receive side of the TCP engine: the listener, and the budgets connections are held in.
-
-A connection is *pending* until its handshake succeeds, then *proven* (see `limits`). It moves before the
-server answers OK, so a peer told OK always holds its slot. Each connection's thread runs
-`conn.Conn.serve` with a frozen `ConnContext` (`admit` the one way back to the server)."""
+"""Receive side of the TCP engine: the listener, and the budgets connections are held in (`limits`). A
+connection moves to the proven budget before the server answers OK, so a peer told OK holds its slot."""
 
 from __future__ import annotations
 
