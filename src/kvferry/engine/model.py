@@ -60,7 +60,6 @@ class TinyLlama:
         self._rope = Rope.of(cfg)
         self._scratch = ScratchKV(cfg)
 
-    # ---- KV cache -------------------------------------------------------------------------------
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
         cfg = self.config
         return KVCacheSpec(num_blocks, cfg.num_layers, cfg.num_kv_heads, block_size, cfg.head_dim)
@@ -72,7 +71,6 @@ class TinyLlama:
             raise ValueError(f"KV cache spec {spec} does not match the model config")
         return np.zeros(spec.shape, dtype=np.float32)
 
-    # ---- forward --------------------------------------------------------------------------------
     def forward(self, kv_cache: FloatArray, block_size: int, token_ids: Sequence[int], start_pos: int,
                 block_table: Sequence[int], prompt_len: int | None = None) -> FloatArray:
         """Run positions [start_pos, start_pos + len(token_ids)) of one sequence; return the last one's logits.
@@ -149,7 +147,6 @@ class TinyLlama:
         if table.min() < 0 or table.max() >= kv_cache.shape[0]:
             raise ValueError(f"block table entries must be in [0, {kv_cache.shape[0]})")
 
-    # ---- reference generation -------------------------------------------------------------------
     def generate_greedy(self, prompt_ids: Sequence[int], max_tokens: int, num_blocks: int | None = None,
                         block_size: int = 16, stop_at_eos: bool = True,
                         eos_token_id: int = EOS_TOKEN_ID) -> list[int]:

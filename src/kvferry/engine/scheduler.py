@@ -74,7 +74,6 @@ class Scheduler:
         self.num_unknown_ids = 0
         self.num_recomputed_tokens = 0
 
-    # ---- inputs ----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -109,7 +108,6 @@ class Scheduler:
         """Requests finished since the last step: the next one tells the connector."""
         return bool(self._finished_since_last_step)
 
-    # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
         out = SchedulerOutput(self.step_count, finished_req_ids=self._finished_since_last_step)
@@ -211,7 +209,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    # ---- results --------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int], worker: WorkerResult) -> list[Request]:
         """Apply one step's results; returns the requests that got a token or finished."""
         touched: list[Request] = []
@@ -353,7 +350,6 @@ class Scheduler:
         self.num_unknown_ids += 1
         log.warning("connector reported %s for unknown request %s; ignored", where, request_id)
 
-    # ---- integrity ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every block is free or held by exactly one owner (run whenever the engine goes idle)."""
         self.pool.check_invariants()

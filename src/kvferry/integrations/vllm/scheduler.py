@@ -98,7 +98,6 @@ class KVFerryScheduler:
         # P: long prompts go to D while vLLM's chunked prefill computes them (progress.py)
         self.progress = ProgressTracker(pd[PREFILL], groups, self._view) if PREFILL in pd else None
 
-    # ---- once at start ------------------------------------------------------------------------------
     def set_handshake(self, metadata: dict[int, Any]) -> None:
         """P: every worker's bootstrap entries, once the KV caches are registered; served for all ranks."""
         prefill = self.pd.get(PREFILL)
@@ -135,7 +134,6 @@ class KVFerryScheduler:
             params = None
         return _RequestView(request, params)
 
-    # ---- what vLLM's scheduler calls ----------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         """vLLM (0.33) added a request to its waiting queue."""
         self._note_queued(request)

@@ -96,7 +96,6 @@ class NixlTransferEngine(TransferEngine):
         self._pump = threading.Thread(target=self._run, name="kvferry-nixl", daemon=True)
         self._pump.start()
 
-    # ---- interface --------------------------------------------------------------------------------
     @property
     def address(self) -> str:
         return self._address
@@ -183,7 +182,6 @@ class NixlTransferEngine(TransferEngine):
         self._agent = None  # the C++ agent (its UCX workers and threads) goes with the last reference
         self._reserved.close()
 
-    # ---- sender -----------------------------------------------------------------------------------
     def _plan(self, tok: nw.Token, ops: Sequence[WriteOp]) -> list[tuple[str, np.ndarray, frozenset[str]]]:
         """Coalesced ops in chunks of one source memory type: (memory type, OP_DTYPE rows, src regions)."""
         ridx = {name: i for i, (name, _, _) in enumerate(tok.regions)}
@@ -265,7 +263,6 @@ class NixlTransferEngine(TransferEngine):
                        nw.FAILED: (E.RESET, "failed to read it")}[status]
         w.fail(TransferError(cause, f"{w.peer} {what}"))
 
-    # ---- the pump: notifications and posted reads -------------------------------------------------
     def _busy(self) -> bool:
         return bool(self._writes) or self._recv.busy
 

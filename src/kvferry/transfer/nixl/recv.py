@@ -97,7 +97,6 @@ class Receiver:
         with self._lock:
             return token in self._draining
 
-    # ---- grants -----------------------------------------------------------------------------------
     def open(self, ranges: Sequence[ByteRange]) -> str:
         merged = merge_spans(grant_spans(self._regions, ranges))
         names = list(dict.fromkeys(s[0] for s in merged))
@@ -163,7 +162,6 @@ class Receiver:
                 log.warning("a posted NIXL read could not be cancelled at close")
         self._agent = None
 
-    # ---- notifications from senders ---------------------------------------------------------------
     def on_note(self, sender: str, note: nw.Note) -> None:
         grant = self._by_gid.get(note.gid)
         if note.kind == nw.PING:

@@ -64,7 +64,6 @@ class TcpClient:
         self._busy: dict[_Link, str] = {}  # link → peer, from connect until release
         self._closed = False
 
-    # -- pool -----------------------------------------------------------------------------------
     def _acquire(self, peer: str, deadline: float, token: str) -> _Link:
         while True:
             with self._lock:
@@ -115,7 +114,6 @@ class TcpClient:
             self._idle.clear()
         _drop(idle, busy)
 
-    # -- connection -----------------------------------------------------------------------------
     def _connect(self, peer: str, deadline: float, token: str = "") -> _Link:
         """A fresh, authenticated connection. A handshake the server cut is retried until `deadline`: a
         live but CPU-starved peer can outlast the server's bound. An explicit refusal is final."""
@@ -168,7 +166,6 @@ class TcpClient:
         self._stats.add("connections_opened")
         return link
 
-    # -- write ----------------------------------------------------------------------------------
     def write(self, peer: str, messages: list[Message], deadline: float, token: str = "") -> None:
         link = self._acquire(peer, deadline, token)
         ok = False
