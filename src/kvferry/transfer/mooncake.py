@@ -141,14 +141,14 @@ class MooncakeTransferEngine(TransferEngine):
         threading.Thread(target=job.run, name="kvferry-mooncake", daemon=True).start()
         if not job.done.wait(max(0.0, deadline - time.monotonic())):
             job.cancel = True
-            self._fail(peer, link, force=True)
+            self._fail(link, force=True)
             raise TransferError(E.TIMEOUT, f"mooncake write to {peer} passed its deadline")
         if job.error:
-            self._fail(peer, link, force=False)
+            self._fail(link, force=False)
             raise TransferError(E.RESET, f"mooncake write to {peer} failed: {job.error}")
         link.failures = 0
 
-    def _fail(self, peer: str, link: _Link, force: bool) -> None:
+    def _fail(self, link: _Link, force: bool) -> None:
         link.failures += 1
         if force or link.failures >= MAX_FAILURES:
             link.engine = None  # the worker keeps the old one alive until its call returns

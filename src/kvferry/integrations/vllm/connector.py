@@ -52,7 +52,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         kv_config = self._kv_transfer_config
-        roles = kvferry_roles(vllm_config, kv_cache_config, kv_config.kv_role)
+        roles = kvferry_roles(vllm_config, kv_config.kv_role)
         extra = dict(kv_config.kv_connector_extra_config or {})
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)

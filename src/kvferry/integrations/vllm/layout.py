@@ -27,10 +27,6 @@ class UnsupportedKVCacheError(ValueError):
     pass
 
 
-def _nothing_to_wait_for() -> None:
-    return
-
-
 class DeviceCopies:
     """Launches staging copies; `launch` returns a function that blocks until they complete. This base
     runs them synchronously (CPU tensors, the `meta` device)."""
@@ -38,7 +34,7 @@ class DeviceCopies:
     def launch(self, copies: Sequence[Callable[[], object]]) -> Callable[[], None]:
         for copy in copies:
             copy()
-        return _nothing_to_wait_for
+        return lambda: None
 
 
 class CudaCopies(DeviceCopies):

@@ -23,7 +23,7 @@ _CASTS: dict[str, Any] = {"str": str, "int": int, "float": float, "bool": bool,
 ROLES = {"kv_producer": (PREFILL,), "kv_consumer": (DECODE,), "kv_both": (PREFILL, DECODE)}
 
 
-def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple[str, ...]:
+def kvferry_roles(vllm_config: Any, kv_role: str) -> tuple[str, ...]:
     """The kvferry sides this vLLM instance runs, or ValueError for a setup kvferry does not support."""
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
