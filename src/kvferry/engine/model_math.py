@@ -20,10 +20,9 @@ PANEL_BYTES = 256 * 1024
 
 @dataclass(frozen=True)
 class TileRows:
-    """A tile's live rows [lo, hi): prompt positions in [lo, split), generated ones in [split, hi)."""
+    """A tile's live rows [lo, hi): the call's prompt positions in that block."""
 
     lo: int
-    split: int
     hi: int
 
 
@@ -40,10 +39,6 @@ class RowWeight:
         self.split = split = out_dim - out_dim % rows
         self._panels = w[:split].reshape(split // rows, rows, in_dim)[:, None]  # [P, 1, rows, in]
         self._rest = w[split:]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.weight.shape[0], self.weight.shape[1])
 
     def apply(self, x: FloatArray) -> FloatArray:
         """`x @ weight.T` for `x` `[m, in]`: one vector-matrix product per row and panel, panels outermost,

@@ -41,7 +41,7 @@ class PromptTiles:
         for block in range(first_block, last_block + 1):
             base = block * block_size
             lo, hi = max(start, base) - base, min(end, base + block_size) - base
-            live.append(TileRows(lo=lo, split=hi, hi=hi))
+            live.append(TileRows(lo=lo, hi=hi))
         return cls(start, end, table, tiles, live)
 
     @staticmethod
