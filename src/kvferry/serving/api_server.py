@@ -346,8 +346,7 @@ async def _stream(call: _Call) -> Response:
     if first.finished and first.finish_reason == "error":
         return _error_response(first)
     assembler = TextAssembler(call.engine.codec, call.stop, call.resume)
-    # A resumed chat stream sends no role chunk: the proxy, which knows whether its client has one, adds it.
-    sent_first = call.resume is not None
+    sent_first = call.resume is not None  # a resumed chat stream's role chunk comes from the proxy
     # The proxy asks for each chunk's token ids, to resume the stream elsewhere if this instance dies.
     with_ids = bool((call.body.model_extra or {}).get(TOKEN_IDS_FIELD))
     pending_ids: list[int] = []

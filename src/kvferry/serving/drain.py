@@ -55,7 +55,6 @@ class Drain:
         self.started_at: float | None = None
         self.outcome = ""  # "idle", "timeout" or "forced" once it ended
         self._forced = False
-        # Called once the drain ended (the server sets it to leave its serve loop).
         self.on_done: Callable[[], None] = lambda: None
         self._task: asyncio.Task[None] | None = None
 
@@ -101,7 +100,6 @@ class Drain:
                 # A wait within the bound: a busy engine never holds the drain past it.
                 wait = min(_ASK_WAIT_S, max(deadline - now, 0.01))
                 try:
-                    # The snapshot waits on the engine thread: keep it off the event loop.
                     state = await loop.run_in_executor(None, self._snapshot, wait)
                 except EngineBusyError as exc:  # in a long step: what it holds is still to be served
                     if not busy:
@@ -170,8 +168,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs in a signal handler (signals that arrive together may come as one call): flags only, and
-        # the drain is started by the event loop (call_soon_threadsafe also wakes it up).
+        # In a signal handler: flags only; the event loop starts the drain (call_soon_threadsafe wakes it).
         self._terms += sig == signal.SIGTERM
         if sig != signal.SIGTERM or self._terms > 1 or self._loop is None:
             self.force_exit = self.should_exit  # a third signal: do not wait for in-flight responses

@@ -1,7 +1,6 @@
-"""One attempt of the proxy: a prefill on P and a decode on D with one transfer_id, and what the
-outcome means for a retry. Whatever ends the attempt (an error on either side, D turning the request
-away, the client leaving) cancels the other side's request at once, so P never keeps prefilling, or
-holding blocks for, a request nobody will pull."""
+"""One attempt of the proxy: a prefill on P and a decode on D with one transfer_id, and what the outcome
+means for a retry. Whatever ends the attempt cancels the other side's request at once, so P never keeps
+prefilling, or holding blocks for, a request nobody will pull."""
 
 from __future__ import annotations
 
@@ -98,10 +97,8 @@ class Attempt:
     stream: bool
     transfer_id: str
     path: str = "/v1/completions"  # or /v1/chat/completions
-    # The proxy's connections to P (None: one per request, closed after it).
-    p_conns: PrefillConnections | None = None
-    # A stream whose D dies is resumed on another D, at most this many times (0: not at all).
-    migrations: int = 0
+    p_conns: PrefillConnections | None = None  # None: one connection per request, closed after it
+    migrations: int = 0  # a stream whose D dies is resumed on another D at most this often
     on_migration: Callable[[str], None] = lambda _outcome: None
 
     @property
@@ -146,8 +143,7 @@ class Attempt:
             handed_over = result[0].status_code == 200 and self.stream
             return result
         finally:
-            # Every way out (an error, D's 4xx, the client leaving = CancelledError) drops both requests,
-            # except a stream being relayed: its generator owns them now.
+            # Every way out drops both requests, except a stream being relayed: its generator owns them.
             if not handed_over:
                 await _cancel(decode, prefill if not prefill.done() else None)
 
@@ -211,9 +207,8 @@ class Attempt:
         return StreamingResponse(_relay(d_response, prefill), 200, headers=headers), Outcome.DONE
 
     async def _p_is_gone(self, prefill: asyncio.Task[httpx.Response], code: str) -> bool:
-        """Did D's load fail because P died (D's liveness said so, P's own HTTP request broke, or its
-        /health does not answer)? D's `peer_dead` is already that verdict: a stopped P would hold the
-        /health probe for its whole timeout."""
+        """Did D's load fail because P died? D's `peer_dead` is that verdict already (a stopped P would hold
+        the /health probe for its whole timeout); else P's own request broke or its /health fails."""
         if code == "peer_dead":
             return True
         await asyncio.wait({prefill}, timeout=_P_VERDICT_WAIT_S)

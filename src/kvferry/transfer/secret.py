@@ -106,8 +106,7 @@ def pattern_bits(text: str, rate: float) -> tuple[float, str]:
             words += sum(1 for run in runs if run.isalpha())
             numbers += [len(run) for run in runs if run.isdigit()]
             continue
-        # A separator between words and numbers (or a string's end) is a template's; next to random
-        # characters it is one of them.
+        # A separator between words and numbers is a template's; next to random characters, one of them.
         beside = [costs[j] for j in (i - 1, i + 1) if 0 <= j < len(pieces) and not _is_separator(pieces[j])]
         if all(c is not None for c in beside):
             bits += _REPEATED_SEPARATOR_BITS if piece == previous else _SEPARATOR_BITS

@@ -1,6 +1,5 @@
 """KVFerryConnector's scheduler half, in vLLM's engine core: vLLM's `Request` and `SchedulerOutput` reach
-kvferry's `PDConnector` through two small views; kv_transfer_params that can never work read as None,
-logged once."""
+kvferry's `PDConnector` through small views; kv_transfer_params that can never work read as None."""
 
 from __future__ import annotations
 
