@@ -269,10 +269,8 @@ def _bad_request(message: str) -> JSONResponse:
 
 
 def _error_response(out: RequestOutput) -> JSONResponse:
-    message = out.error_message or "request failed"
-    if out.error_code in (None, "engine_error", "invalid_request"):
-        return JSONResponse(error_body(message, "internal_error", out.error_code), status_code=500)
-    return JSONResponse(error_body(message, "kv_load_failed", out.error_code), status_code=500)
+    kind = "internal_error" if out.error_code in (None, "engine_error", "invalid_request") else "kv_load_failed"
+    return JSONResponse(error_body(out.error_message or "request failed", kind, out.error_code), status_code=500)
 
 
 @dataclass(frozen=True)

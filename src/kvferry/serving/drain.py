@@ -62,18 +62,17 @@ class Drain:
     def draining(self) -> bool:
         return self.started_at is not None
 
+    def _since(self) -> float:
+        return 0.0 if self.started_at is None else time.monotonic() - self.started_at
+
     def status(self) -> dict[str, Any]:
-        since = 0.0 if self.started_at is None else time.monotonic() - self.started_at
         # JSON has no infinity: an unbounded drain says null.
         bound = self.timeout_s if math.isfinite(self.timeout_s) else None
-        return {"status": "draining", "draining_for_s": round(since, 3), "drain_timeout_s": bound}
+        return {"status": "draining", "draining_for_s": round(self._since(), 3), "drain_timeout_s": bound}
 
     def time_left(self) -> float | None:
         """Seconds left of the drain's bound (all of it before the drain starts); None when unbounded."""
-        if not math.isfinite(self.timeout_s):
-            return None
-        since = 0.0 if self.started_at is None else time.monotonic() - self.started_at
-        return max(0.0, self.timeout_s - since)
+        return max(0.0, self.timeout_s - self._since()) if math.isfinite(self.timeout_s) else None
 
     def start(self, why: str) -> None:
         """Begin draining (idempotent); must be called on the event loop's thread."""
