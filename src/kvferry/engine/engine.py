@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvferry.connector.base import KVConnector, NoOpConnector
@@ -28,9 +28,8 @@ __all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineDeadError", "Requ
 
 log = logging.getLogger(__name__)
 
-# While transfers are pending the engine polls its worker this often even with nothing to compute; a
-# worker that wakes the engine for everything it reports (`KVConnector.set_waker`) is polled only as a
-# safety net, so waiting for KV costs no CPU that P's prefill on the same cores could use.
+# While transfers are pending the engine polls its worker this often; a worker that wakes the engine
+# (`KVConnector.set_waker`) is polled only as a safety net, so waiting for KV costs no CPU.
 _POLL_INTERVAL_S = 0.001
 _WOKEN_POLL_INTERVAL_S = 0.05
 # The engine thread publishes its state for /debug/state at most this often (and whenever idle).
@@ -42,14 +41,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineBusyError(TimeoutError):
-    """The engine thread is alive but did not answer in time: it is inside a step (a long prefill, a full
-    batch on a slow CPU). Asking again later gets an answer; nothing is lost."""
+    """The engine thread is alive but inside a step longer than the wait; asking again later gets an answer."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine's settings (`kvferry serve` reads its defaults here); the scheduler's come from
-    `SchedulerConfig`."""
+    """The engine's settings (`kvferry serve` reads its defaults here)."""
 
     num_blocks: int = 2048
     block_size: int = SchedulerConfig.block_size
@@ -83,14 +80,9 @@ class Engine:
         self.scheduler_connector = scheduler_connector or NoOpConnector()
         self.worker_connector = worker_connector or self.scheduler_connector
         self.worker_connector.register_kv_cache(self.kv_spec, self.kv_cache)
-        sched_config = SchedulerConfig(
-            block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_prefill_chunk=config.max_prefill_chunk,
-            max_num_seqs=config.max_num_seqs,
-            kv_load_failure_policy=config.kv_load_failure_policy,
-            vocab_size=self.model.config.vocab_size,  # P's first token in any other id: D computes its own
-        )
+        shared = {f.name for f in fields(SchedulerConfig)} & {f.name for f in fields(config)}
+        # vocab_size: P's first token in any other id is not used (D computes its own).
+        sched_config = SchedulerConfig(vocab_size=self.model.config.vocab_size, **{n: getattr(config, n) for n in shared})
         self.scheduler = Scheduler(sched_config, self.pool, self.scheduler_connector)
         self._streams = Streams(self.metrics)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -146,8 +138,7 @@ class Engine:
 
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
         """State for /debug/state, computed on the engine thread so no step pays for it. Raises
-        EngineBusyError when the thread is in a step longer than `timeout` (ask again), EngineDeadError when
-        it is gone."""
+        EngineBusyError when the thread is in a step longer than `timeout`, EngineDeadError when it is gone."""
         with self._snapshot_lock:
             future = self._pending_snapshot
             if future is None or future.done():
@@ -279,8 +270,6 @@ class Engine:
         out = self.scheduler.schedule()
         self.worker_connector.start_load_kv(self.scheduler_connector.build_connector_meta(out))
         sampled: dict[str, int] = {}
-        # One forward for every chunk of the step: each weight is read once for all decoding sequences,
-        # and each sequence gets the bits it would get alone (kvferry.engine.rows).
         block_tables = self.scheduler.block_tables
         seq_chunks = [
             SeqChunk(chunk.request.token_ids(chunk.start_pos, chunk.start_pos + chunk.num_tokens),

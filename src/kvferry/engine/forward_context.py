@@ -1,9 +1,5 @@
 """What one forward call (an engine step) hands each layer: the cache, RoPE tables, this thread's scratch K/V.
-
-The prompt-tile path (tiles.py) and the generated-row path (rows.py) get everything a step needs from
-one `ForwardContext` and their layer's weights, never from the model (as nano-vllm's attention reads
-its per-step data from one context). It is passed explicitly, not kept in a global: the scratch K/V is
-per thread, and one model serves forward calls from several threads."""
+Passed explicitly, not kept in a global: the scratch K/V is per thread, and one model serves several threads."""
 
 from __future__ import annotations
 
@@ -33,9 +29,8 @@ class Rope:
 
 
 class ScratchKV:
-    """Per-thread `[2, kv_heads, capacity, head_dim]` K/V of the sequence being run, one per block size.
-
-    Its capacity is fixed, so the K/V operands of a position always have the same shape and strides."""
+    """Per-thread `[2, kv_heads, capacity, head_dim]` K/V, one per block size; its capacity is fixed so a
+    position's K/V operands always have the same shape and strides."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self._cfg = cfg

@@ -1,10 +1,8 @@
 """A Llama-family GGUF file → an HF-style checkpoint in memory (config, float32 tensors, tokenizer, template).
 
-Facts this relies on (checked against transformers on SmolLM2-135M-Instruct): `gguf.quants.dequantize`
-gives each tensor as float32 `[out, in]`; llama.cpp's converter permuted the rows of Q and K for
-ggml's interleaved RoPE, so they are un-permuted here to the rotate-half layout the numpy model uses;
-tied embeddings have no `output.weight`. The tokenizer is a byte-level BPE built from the GGUF's
-tokens and merges (digits split one by one, no prefix space) with its control tokens as special."""
+llama.cpp's converter permuted Q and K rows for ggml's interleaved RoPE, so they are un-permuted to the
+model's rotate-half layout; tied embeddings have no `output.weight`. The tokenizer is a byte-level BPE
+from the GGUF's tokens and merges, control tokens as special."""
 
 from __future__ import annotations
 

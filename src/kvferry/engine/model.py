@@ -1,29 +1,14 @@
 """The tiny Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache, in numpy.
 
-KV cache layout: ONE float32 array `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size,
-head_dim]` (`KVCacheSpec`); position p of a sequence lives in block `block_table[p // block_size]`,
-slot `p % block_size`. Weights are stored `[out, in]` (C-contiguous), as checkpoints store them.
+KV cache: one float32 array `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`;
+position p lives in block `block_table[p // block_size]`, slot `p % block_size`. Weights are `[out, in]`.
 
-One call (`forward_batch`, one per engine step) runs chunks of any number of distinct sequences.
-Bit-identity by construction: every numpy operation that touches position p has operands whose
-shapes and strides depend only on p and on whether p is a prompt position or a generated one
-(`prompt_len`), never on the other positions or sequences of the call:
-  * prompt positions run on fixed `[block_size, hidden]` tiles, position p at row `p % block_size`,
-    unused rows zero: row-wise norms, one matrix product per tile and per fixed weight panel for each
-    linear layer (prefill speed; panels outermost, so a panel is read from memory once for all the
-    call's tiles of all sequences), and attention of block b over exactly `(b + 1) * block_size`
-    keys/values gathered into a per-thread buffer of fixed capacity; keys after the chunk's prompt
-    positions are zero and masked, so stale cache contents and later positions never matter;
-  * generated positions (decoded tokens, or recomputed ones) of ALL sequences of the call are rows of
-    one array (rows.py): row-wise norms and activations, one vector-matrix product per row and per
-    fixed weight panel (each weight read from memory once per step for all rows, and one row alone
-    costs what a lone decode always cost), attention over exactly p + 1 keys;
-  * the LM head runs on each sequence's last row alone, as a generated row does.
-So the K/V written and the logits are the same bits whether a prompt is run in one call, split at any
-position, continued from K/V copied in from elsewhere, decoded token by token, recomputed after a
-preemption, or batched with any other sequences at any place in the step (tests/engine/test_batched.py).
-This holds for one CPU type, numpy/OpenBLAS build and BLAS thread count: OpenBLAS splits a matmul
-differently with a different OPENBLAS_NUM_THREADS."""
+Bit-identity by construction: every operation touching position p has operand shapes and strides that
+depend only on p and on whether p is a prompt or a generated position, never on the call's other
+positions or sequences. Prompt positions run on fixed `[block_size, hidden]` tiles (tiles.py); generated
+positions of all sequences are rows of one array (rows.py); the LM head runs per last row. So K/V and
+logits are the same bits however a prompt is split, transferred, decoded, recomputed or batched, for one
+CPU type, numpy/OpenBLAS build and BLAS thread count."""
 
 from __future__ import annotations
 
@@ -75,7 +60,6 @@ class TinyLlama:
         self._rope = Rope.of(cfg)
         self._scratch = ScratchKV(cfg)
 
-    # ---- KV cache -------------------------------------------------------------------------------
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
         cfg = self.config
         return KVCacheSpec(num_blocks, cfg.num_layers, cfg.num_kv_heads, block_size, cfg.head_dim)
@@ -87,21 +71,18 @@ class TinyLlama:
             raise ValueError(f"KV cache spec {spec} does not match the model config")
         return np.zeros(spec.shape, dtype=np.float32)
 
-    # ---- forward --------------------------------------------------------------------------------
     def forward(self, kv_cache: FloatArray, block_size: int, token_ids: Sequence[int], start_pos: int,
                 block_table: Sequence[int], prompt_len: int | None = None) -> FloatArray:
         """Run positions [start_pos, start_pos + len(token_ids)) of one sequence; return the last one's logits.
-
-        Positions before start_pos must already be in the cache; the new K/V are written into it.
-        Positions from `prompt_len` on are generated tokens (None: all are prompt positions); every
-        caller must say the same for a sequence, since the two kinds are computed differently."""
+        Positions from `prompt_len` on are generated (None: all prompt); callers must agree per sequence,
+        since the two kinds are computed differently."""
         logits = self.forward_batch(kv_cache, block_size, [SeqChunk(token_ids, start_pos, block_table, prompt_len)])[0]
         assert logits is not None
         return logits
 
     def forward_batch(self, kv_cache: FloatArray, block_size: int, chunks: Sequence[SeqChunk]) -> list[FloatArray | None]:
-        """`forward` for chunks of distinct sequences in one call (an engine step); each one's last-position
-        logits (None where `want_logits` is False). Each sequence gets the bits it would get alone."""
+        """`forward` for chunks of distinct sequences in one call; each one's last-position logits (None
+        where `want_logits` is False), the bits it would get alone."""
         seqs = [self._prepare(kv_cache, block_size, chunk) for chunk in chunks]
         rows = self._generated_rows(seqs, block_size)
         prompts = [seq.prompt for seq in seqs if seq.prompt.live]
@@ -166,7 +147,6 @@ class TinyLlama:
         if table.min() < 0 or table.max() >= kv_cache.shape[0]:
             raise ValueError(f"block table entries must be in [0, {kv_cache.shape[0]})")
 
-    # ---- reference generation -------------------------------------------------------------------
     def generate_greedy(self, prompt_ids: Sequence[int], max_tokens: int, num_blocks: int | None = None,
                         block_size: int = 16, stop_at_eos: bool = True,
                         eos_token_id: int = EOS_TOKEN_ID) -> list[int]:

@@ -13,18 +13,16 @@ import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float32]
 
-# Output rows per panel of a `[out, in]` weight: about this many bytes, so a panel stays in the L2 cache
-# while every generated row of the step is multiplied with it (the weight is streamed from memory once
-# per step, not once per row). A property of the weight's shape only, never of the batch.
+# Bytes per panel of a `[out, in]` weight, so a panel stays in L2 while every row of the step uses it.
+# A property of the weight's shape only, never of the batch.
 PANEL_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
 class TileRows:
-    """A tile's live rows [lo, hi): prompt positions in [lo, split), generated ones in [split, hi)."""
+    """A tile's live rows [lo, hi): the call's prompt positions in that block."""
 
     lo: int
-    split: int
     hi: int
 
 
@@ -42,14 +40,9 @@ class RowWeight:
         self._panels = w[:split].reshape(split // rows, rows, in_dim)[:, None]  # [P, 1, rows, in]
         self._rest = w[split:]
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.weight.shape[0], self.weight.shape[1])
-
     def apply(self, x: FloatArray) -> FloatArray:
-        """`x @ weight.T` for `x` `[m, in]`: each row times each panel is its own vector-matrix product
-        (numpy calls BLAS gemv for it), panels outermost, so the result of a row is the same bits for
-        any m and any other rows, and a panel is read from memory once for all rows."""
+        """`x @ weight.T` for `x` `[m, in]`: one vector-matrix product per row and panel, panels outermost,
+        so a row's bits never depend on the other rows and a panel is read from memory once."""
         m = x.shape[0]
         out = np.empty((m, self.weight.shape[0]), dtype=np.float32)
         column = x[None, :, :, None]  # [1, m, in, 1]
@@ -60,9 +53,8 @@ class RowWeight:
         return out
 
     def apply_tiles(self, x: FloatArray) -> FloatArray:
-        """`x @ weight.T` for prompt tiles `x` `[T, block_size, in]`: each tile times each panel is its own
-        matrix product of one fixed shape, panels outermost, so a tile's result is the same bits whatever
-        the other tiles, and a panel is read from memory once for all the step's tiles."""
+        """`x @ weight.T` for prompt tiles `x` `[T, block_size, in]`: one fixed-shape product per tile and
+        panel, panels outermost, so a tile's bits never depend on the other tiles."""
         tiles, block_size, _ = x.shape
         out = np.empty((tiles, block_size, self.weight.shape[0]), dtype=np.float32)
         columns = x.transpose(0, 2, 1)  # [T, in, block_size]

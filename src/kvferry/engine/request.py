@@ -71,8 +71,8 @@ class Request:
     num_recomputed_tokens: int = 0
     num_external_tokens: int = 0
     num_preemptions: int = 0
-    # P, progressive push: the connector reads its computed blocks while it runs, so it holds every block
-    # it can need from admission on, is never preempted, and its blocks go back through the connector.
+    # P, progressive push: the connector reads its blocks while it runs, so it holds every block it can
+    # need from admission on and is never preempted.
     kv_lent: bool = False
 
     @property

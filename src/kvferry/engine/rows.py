@@ -1,18 +1,10 @@
 """Generated positions of every sequence of a forward call, computed together, each row on its own.
 
-A generated position (a decoded token, or one recomputed after a preemption) is a row of one
-`[m, hidden]` array holding the generated rows of ALL sequences of the call (an engine step). Per layer:
-  * norms, RoPE, SwiGLU and residual adds run on that array; each is elementwise or reduces along a
-    row, so a row's bits depend on that row only (tests/engine/test_batched.py checks it for every m);
-  * each linear layer is `RowWeight.apply`: one BLAS vector-matrix product per row and per fixed panel
-    of the weight, panels outermost: a panel is fetched from memory once for all m rows and then read
-    from cache, and a row's product is the same call whatever the other rows are. There is never a
-    matrix-matrix product here: OpenBLAS packs the weight for one (2-3x a vector-matrix product at small
-    m on SmolLM2), and its rows' bits depend on the product's height;
-  * attention of the row at position p reads exactly p + 1 keys/values of its own sequence from a
-    per-thread buffer of fixed capacity (shapes and strides depend on p only).
-So a sequence gets the same bits alone, among any others, at any place in the step, decoded token by
-token or recomputed in one call, and one sequence alone costs what it did before batching."""
+Generated positions of all sequences are rows of one `[m, hidden]` array. Norms, RoPE, SwiGLU and
+residuals are elementwise or row-wise; each linear layer is one vector-matrix product per row and per
+fixed weight panel (`RowWeight.apply`), never a matrix-matrix product, whose rows' bits would depend on
+its height; attention at position p reads exactly p + 1 keys/values. So a row's bits depend on that row
+only, whatever else the step holds."""
 
 from __future__ import annotations
 

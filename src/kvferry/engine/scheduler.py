@@ -23,8 +23,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 64
     kv_load_failure_policy: str = "fail"  # or "recompute"
-    # Chunked prefill: no request computes more than this many prompt tokens in one step (cut at a block
-    # edge), so decodes and short prompts run between the chunks of a long prompt. 0 = no cap.
+    # Chunked prefill cap per request and step, so decodes run between a long prompt's chunks. 0 = no cap.
     max_prefill_chunk: int = 256
     vocab_size: int | None = None  # P's first token is used only if it is one of these ids (None: any)
 
@@ -60,15 +59,14 @@ class Scheduler:
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        # KV landed (or is being recomputed after a failed load): these hold every block they need until
-        # they run, so they are admitted ahead of `waiting`, never stuck behind a request that cannot fit.
+        # KV landed (or recomputed after a failed load): they hold every block they need, so they are
+        # admitted ahead of `waiting`.
         self.ready: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, or aborted while waiting
         self.block_tables: dict[str, list[int]] = {}
         self.sending: dict[str, list[int]] = {}  # finished, blocks lent to the connector (delay_free)
-        # Blocks of failed loads that a read may still write: out of the pool and owned by no request
-        # until the connector releases them (in finished_sending).
+        # Blocks of failed loads a read may still write: out of the pool until the connector releases them.
         self.quarantine: dict[str, list[int]] = {}
         self._loads: dict[str, LoadReport] = {}  # reported, their request not yet in finished_recving
         self._finished_since_last_step: set[str] = set()
@@ -76,7 +74,6 @@ class Scheduler:
         self.num_unknown_ids = 0
         self.num_recomputed_tokens = 0
 
-    # ---- inputs ----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -111,7 +108,6 @@ class Scheduler:
         """Requests finished since the last step: the next one tells the connector."""
         return bool(self._finished_since_last_step)
 
-    # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
         out = SchedulerOutput(self.step_count, finished_req_ids=self._finished_since_last_step)
@@ -138,10 +134,8 @@ class Scheduler:
                 scheduled.append(request)
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
                 budget -= n
-        # Ready requests first: they need no new block, so a head of `waiting` that cannot fit (a preempted
-        # one, whose blocks went back to the pool) never strands them. With nothing running, one of them
-        # runs, or that head waits only for blocks that loads or sends in flight will free (no request
-        # outgrows the pool: the API checks).
+        # Ready requests first: they need no new block, so a head of `waiting` that cannot fit never
+        # strands them.
         for queue in (self.ready, self.waiting):
             while queue and budget > 0 and not preempted and len(scheduled) < self.config.max_num_seqs:
                 request = queue[0]
@@ -167,10 +161,8 @@ class Scheduler:
         return out
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        """Tokens of `request` to compute this step: all that remain, or a chunk ending on a block edge.
-
-        Where a chunk ends never changes the arithmetic (the model computes every position on the same
-        block tile whatever the split); block edges just keep chunks whole blocks."""
+        """Tokens of `request` to compute this step: all that remain, or a chunk ending on a block edge
+        (where a chunk ends never changes the arithmetic)."""
         start, remaining = request.num_computed_tokens, request.num_tokens - request.num_computed_tokens
         cap = self.config.max_prefill_chunk or remaining
         n = min(remaining, budget, cap)
@@ -217,7 +209,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    # ---- results --------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int], worker: WorkerResult) -> list[Request]:
         """Apply one step's results; returns the requests that got a token or finished."""
         touched: list[Request] = []
@@ -282,8 +273,7 @@ class Scheduler:
             elif (first := load.first_token) is not None and len(self.running) < self.config.max_num_seqs and (
                 self._samples_alike(first, request)
             ):
-                # The whole prompt landed and P sampled the first token as this request would: emit it
-                # now (the same bits: P's logits are the colocated ones) and go straight to decoding.
+                # The whole prompt landed and P sampled the first token as this request would: emit it.
                 request.num_computed_tokens = request.num_tokens
                 request.output_token_ids.append(first.token)
                 request.status = RequestStatus.RUNNING
@@ -312,8 +302,7 @@ class Scheduler:
         self._put_away(request.request_id, blocks, quarantined, delay_free)
 
     def _release(self, request: Request, quarantined: bool) -> None:
-        """An aborted remote load was reported by the worker: now its blocks are safe to reuse (or, when
-        quarantined, once the worker releases them)."""
+        """An aborted remote load was reported: its blocks are safe to reuse (quarantined: once released)."""
         blocks = self.block_tables.pop(request.request_id, [])
         self.requests.pop(request.request_id, None)
         self.connector.request_finished(request, [] if quarantined else blocks)
@@ -331,7 +320,7 @@ class Scheduler:
 
     def _recompute_elsewhere(self, request: Request) -> None:
         """`recompute` of a load whose blocks a read may still write: they go to quarantine and the whole
-        prompt is computed again, as after a preemption, into blocks taken afresh."""
+        prompt is computed again into fresh blocks."""
         self.quarantine[request.request_id] = self.block_tables.pop(request.request_id, [])
         self.num_recomputed_tokens += request.num_tokens
         request.num_recomputed_tokens += request.num_tokens
@@ -351,8 +340,7 @@ class Scheduler:
         return first
 
     def _samples_alike(self, first: FirstToken, request: Request) -> bool:
-        """P's first token is this request's own: in the vocabulary, same sampling (temperature, seed), and
-        nothing generated yet."""
+        """P's first token is this request's own: in the vocabulary, same sampling, nothing generated yet."""
         params, vocab = request.sampling_params, self.config.vocab_size
         return (not request.output_token_ids and (vocab is None or 0 <= first.token < vocab)
                 and (first.temperature, first.seed) == (params.temperature, params.seed))
@@ -362,7 +350,6 @@ class Scheduler:
         self.num_unknown_ids += 1
         log.warning("connector reported %s for unknown request %s; ignored", where, request_id)
 
-    # ---- integrity ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every block is free or held by exactly one owner (run whenever the engine goes idle)."""
         self.pool.check_invariants()

@@ -1,13 +1,9 @@
 """Prompt positions of the sequences of a forward call, on fixed `[block_size, hidden]` tiles.
 
-Position p sits at row `p % block_size` of the tile of its block, unused rows zero. Norms and
-activations are row-wise; each linear layer is, for every tile, one `[panel rows, in]` x
-`[in, block_size]` matrix product per fixed panel of the weight, panels outermost
-(`RowWeight.apply_tiles`: prefill speed, the weight read once for all tiles of the call, and a row's
-bits never depend on the other rows or tiles of a fixed-shape product); attention of block b reads
-exactly `(b + 1) * block_size` keys/values from a per-thread buffer of fixed capacity, with keys after
-the call's last prompt position zeroed and masked: stale cache contents and the generated positions
-after a prompt never change a prompt position's bits."""
+Position p sits at row `p % block_size` of its block's tile, unused rows zero. Every operation has a
+fixed shape (`RowWeight.apply_tiles`: one product per tile and fixed weight panel), and attention of
+block b reads exactly `(b + 1) * block_size` keys/values with those past the call's last prompt position
+zeroed and masked, so a prompt position's bits never depend on other rows, tiles or stale cache."""
 
 from __future__ import annotations
 
@@ -45,7 +41,7 @@ class PromptTiles:
         for block in range(first_block, last_block + 1):
             base = block * block_size
             lo, hi = max(start, base) - base, min(end, base + block_size) - base
-            live.append(TileRows(lo=lo, split=hi, hi=hi))
+            live.append(TileRows(lo=lo, hi=hi))
         return cls(start, end, table, tiles, live)
 
     @staticmethod
@@ -68,9 +64,7 @@ class PromptTiles:
 def prompt_layer(ctx: ForwardContext, layer_index: int, weights: LayerWeights, lin: RowLayer, seqs: list[PromptTiles],
                  tiles: FloatArray) -> None:
     """One layer on the prompt tiles of every sequence of the call (in place); writes their K/V into the cache.
-
-    `tiles` `[T, block_size, hidden]` holds all of them (each sequence's `tiles` is a view of it): every
-    linear layer meets all tiles at once (`RowWeight.apply_tiles`), attention runs tile by tile in order."""
+    `tiles` `[T, block_size, hidden]` holds all of them; attention runs tile by tile in order."""
     cfg, block_size = ctx.config, ctx.block_size
     rows = tiles.reshape(-1, cfg.hidden_size)  # row-wise ops see rows of one 2-D array, as the generated rows do
     qkv = lin.qkv.apply_tiles(rms_norm(rows, weights.attn_norm, cfg.rms_eps).reshape(tiles.shape))

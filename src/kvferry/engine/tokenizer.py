@@ -19,9 +19,8 @@ def decode(token_ids: Iterable[int]) -> str:
 
 
 class IncrementalDetokenizer:
-    """Streams text as tokens arrive, holding back a multi-byte character until it is complete.
-
-    The concatenation of every `push` result and the final `finish()` equals `decode(all ids)`."""
+    """Streams text as tokens arrive, holding back a multi-byte character until it is complete: every
+    `push` result plus `finish()` equals `decode(all ids)`."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

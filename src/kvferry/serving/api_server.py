@@ -72,11 +72,9 @@ def install_error_handlers(app: FastAPI) -> None:
 def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
               served_model_names: Sequence[str] = (), drain: Drain | None = None,
               resolver: EngineResolver | None = None) -> FastAPI:
-    """`served_model_names`: the names clients may send as `model` (as vLLM's `--served-model-name`);
-    the first is the one this instance reports. Default: the model's own name. `drain`: what SIGTERM and
-    `POST /drain` start (`kvferry serve` hands the one its server exits by; without it, a drain only stops
-    admitting). `resolver`: how D finds P's engine from sglang's bootstrap fields (`kvferry serve` hands one
-    with D's `--prefill-allow` and `--bootstrap-timeout`; default: loopback only, the default bound)."""
+    """`served_model_names`: the names clients may send as `model`, the first reported (default: the
+    model's). `drain`: what SIGTERM and `POST /drain` start (without it a drain only stops admitting).
+    `resolver`: how D finds P's engine from sglang's bootstrap fields (default: loopback only)."""
     app = FastAPI(title="kvferry instance", version="0.1.0")
     install_error_handlers(app)
     names = list(dict.fromkeys(served_model_names)) or [engine.loaded.name]
@@ -99,8 +97,8 @@ def build_app(engine: Engine, health_extra: dict[str, Any] | None = None,
 
     @app.post("/drain", status_code=202)
     async def start_drain(http_request: Request) -> JSONResponse:
-        """For a Kubernetes preStop hook: the same drain as SIGTERM (what this instance holds is served).
-        Only from this host: anyone else who reaches the HTTP port must not be able to take it out of service."""
+        """For a Kubernetes preStop hook: the same drain as SIGTERM. Loopback only, so nobody else who
+        reaches the HTTP port can take the instance out of service."""
         if not _is_loopback(http_request.client.host if http_request.client else ""):
             return JSONResponse(error_body("POST /drain is accepted from loopback only", "forbidden", 403), 403)
         drain.start("POST /drain")
@@ -271,10 +269,8 @@ def _bad_request(message: str) -> JSONResponse:
 
 
 def _error_response(out: RequestOutput) -> JSONResponse:
-    message = out.error_message or "request failed"
-    if out.error_code in (None, "engine_error", "invalid_request"):
-        return JSONResponse(error_body(message, "internal_error", out.error_code), status_code=500)
-    return JSONResponse(error_body(message, "kv_load_failed", out.error_code), status_code=500)
+    kind = "internal_error" if out.error_code in (None, "engine_error", "invalid_request") else "kv_load_failed"
+    return JSONResponse(error_body(out.error_message or "request failed", kind, out.error_code), status_code=500)
 
 
 @dataclass(frozen=True)
@@ -299,8 +295,7 @@ class _Call:
     resume: Resume | None = None
 
     def body_json(self, text: str, out: RequestOutput, chunk: bool = False, first: bool = False) -> dict[str, Any]:
-        """A completion / chat.completion body, or (chunk) one event of a stream: the last one carries
-        finish_reason, kv_transfer_params and kvferry's recompute figure."""
+        """A completion / chat.completion body, or (chunk) one event of a stream."""
         final = out.finished
         args = (self.request_id, self.model, text, out.finish_reason if final else None, out.num_prompt_tokens,
                 out.num_output_tokens, out.kv_transfer_params if final else None,
@@ -349,8 +344,7 @@ async def _stream(call: _Call) -> Response:
     if first.finished and first.finish_reason == "error":
         return _error_response(first)
     assembler = TextAssembler(call.engine.codec, call.stop, call.resume)
-    # A resumed chat stream sends no role chunk: the proxy, which knows whether its client has one, adds it.
-    sent_first = call.resume is not None
+    sent_first = call.resume is not None  # a resumed chat stream's role chunk comes from the proxy
     # The proxy asks for each chunk's token ids, to resume the stream elsewhere if this instance dies.
     with_ids = bool((call.body.model_extra or {}).get(TOKEN_IDS_FIELD))
     pending_ids: list[int] = []

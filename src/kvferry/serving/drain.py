@@ -1,35 +1,9 @@
-"""Graceful drain: SIGTERM (or `POST /drain`, for a Kubernetes preStop hook) stops admitting requests and
-lets the instance finish what it holds before it exits 0.
+"""Graceful drain: SIGTERM (or `POST /drain`) stops admitting requests and lets the instance finish what it
+holds before it exits 0, because P holds the KV of every prefill it answered until D pulls it.
 
-P holds the KV of every prefill it answered until D pulls it, releases it, or P's abort timeout expires;
-exiting before that turns D's pull into a `bootstrap` or `peer_dead` failure. So a draining instance:
-  1. answers `/health` and every new completion with 503 (the proxy and the routers take it out of rotation,
-     and retry the request elsewhere);
-  2. keeps its engine, bootstrap server and data plane running until nothing is left: no request waiting,
-     running or loading KV, no prefill held for a D, no write in flight — and at least `grace_s` has passed,
-     so a proxy polling `/health` sees "draining" before the port closes;
-  3. then lets uvicorn close and the process exits 0.
-A second SIGTERM (or SIGINT) ends the drain at once; `timeout_s` bounds it otherwise.
-
-A busy engine is not a dead one: while a step runs longer than the drain's wait for the engine's state (a
-long prefill without chunking, a full batch on a slow CPU) the drain asks again, up to its bound; only an
-engine whose thread is gone (it died or was stopped) ends the drain early, as "engine gone".
-
-`timeout_s` also bounds the HTTP responses still in flight when the drain ends (a stream a slow client reads,
-a request the engine still works on): they get what is left of it, then they are cut, so the process exits
-within `timeout_s` plus what closing takes (under a second, unless the engine is inside a long step: stopping
-the engine waits for that step, at most 10 s). A close without a drain (SIGINT) gives them `timeout_s` from
-the signal. What a client sees when cut:
-  * a stream that started: its connection closes mid-stream, without `[DONE]` (an incomplete chunked body).
-    kvferry's proxy treats that as a D that died and resumes the stream on another D (serving/migrate.py,
-    `--migrations`, 2 by default), so its client gets the whole answer; with `--migrations 0` the proxy's
-    client sees the same cut;
-  * an answer that did not start (a non-streamed completion, or a stream still waiting for its first token):
-    the 503 `draining` a new request gets, which kvferry's proxy retries on another instance.
-
-`grace_s` is 0 by default: kvferry's proxy retries a refused connection on another instance, so P may close
-its port the moment it holds nothing; a load balancer that only polls `/health` wants a grace of a few of
-its polling intervals."""
+A draining instance answers `/health` and new completions with 503, so proxies retry elsewhere. A second
+SIGTERM (or SIGINT) ends the drain at once; `timeout_s` bounds it and the responses still in flight. A
+busy engine is not a dead one: only an engine whose thread is gone ends the drain early."""
 
 from __future__ import annotations
 
@@ -71,10 +45,8 @@ def holds_nothing(state: dict[str, Any]) -> bool:
 
 
 class Drain:
-    """One instance's drain: started once (by a signal or by `POST /drain`), finished when `snapshot` says
-    the instance holds nothing, when `timeout_s` passes, or on `force()`. `snapshot(wait)` is
-    `Engine.snapshot`: the engine's state within `wait` seconds, EngineBusyError when its thread is in a
-    longer step, any other exception when it is gone."""
+    """One instance's drain, finished when `snapshot` says it holds nothing, when `timeout_s` passes, or on
+    `force()`. `snapshot(wait)` is `Engine.snapshot` (EngineBusyError while in a longer step)."""
 
     def __init__(self, snapshot: Callable[[float], dict[str, Any]], timeout_s: float, grace_s: float = 0.0) -> None:
         self._snapshot = snapshot
@@ -83,7 +55,6 @@ class Drain:
         self.started_at: float | None = None
         self.outcome = ""  # "idle", "timeout" or "forced" once it ended
         self._forced = False
-        # Called once the drain ended (the server sets it to leave its serve loop).
         self.on_done: Callable[[], None] = lambda: None
         self._task: asyncio.Task[None] | None = None
 
@@ -91,18 +62,17 @@ class Drain:
     def draining(self) -> bool:
         return self.started_at is not None
 
+    def _since(self) -> float:
+        return 0.0 if self.started_at is None else time.monotonic() - self.started_at
+
     def status(self) -> dict[str, Any]:
-        since = 0.0 if self.started_at is None else time.monotonic() - self.started_at
         # JSON has no infinity: an unbounded drain says null.
         bound = self.timeout_s if math.isfinite(self.timeout_s) else None
-        return {"status": "draining", "draining_for_s": round(since, 3), "drain_timeout_s": bound}
+        return {"status": "draining", "draining_for_s": round(self._since(), 3), "drain_timeout_s": bound}
 
     def time_left(self) -> float | None:
         """Seconds left of the drain's bound (all of it before the drain starts); None when unbounded."""
-        if not math.isfinite(self.timeout_s):
-            return None
-        since = 0.0 if self.started_at is None else time.monotonic() - self.started_at
-        return max(0.0, self.timeout_s - since)
+        return max(0.0, self.timeout_s - self._since()) if math.isfinite(self.timeout_s) else None
 
     def start(self, why: str) -> None:
         """Begin draining (idempotent); must be called on the event loop's thread."""
@@ -129,7 +99,6 @@ class Drain:
                 # A wait within the bound: a busy engine never holds the drain past it.
                 wait = min(_ASK_WAIT_S, max(deadline - now, 0.01))
                 try:
-                    # The snapshot waits on the engine thread: keep it off the event loop.
                     state = await loop.run_in_executor(None, self._snapshot, wait)
                 except EngineBusyError as exc:  # in a long step: what it holds is still to be served
                     if not busy:
@@ -154,10 +123,8 @@ class Drain:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, but SIGTERM drains instead of closing at once; a second SIGTERM, or SIGINT (Ctrl-C,
-    and the test harness's stop), closes now. Either way the HTTP responses still in flight get what is left
-    of the drain's bound, then are cut (uvicorn alone would wait for them without a limit). The process exits
-    0 (uvicorn would re-raise the signal: exit -15)."""
+    """uvicorn's server, but SIGTERM drains; a second SIGTERM or SIGINT closes now. Responses in flight get
+    what is left of the drain's bound, then are cut (uvicorn would wait without limit); exits 0."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
@@ -200,8 +167,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs in a signal handler (signals that arrive together may come as one call): flags only, and
-        # the drain is started by the event loop (call_soon_threadsafe also wakes it up).
+        # In a signal handler: flags only; the event loop starts the drain (call_soon_threadsafe wakes it).
         self._terms += sig == signal.SIGTERM
         if sig != signal.SIGTERM or self._terms > 1 or self._loop is None:
             self.force_exit = self.should_exit  # a third signal: do not wait for in-flight responses
@@ -213,9 +179,8 @@ class DrainingServer(uvicorn.Server):
 
 
 class _CutAnswers:
-    """ASGI wrapper that gives each request its answer when the server cuts it at the drain's bound: a 503
-    `draining` when its response has not started; a connection closed mid-stream when it has (returning
-    without completing the response makes uvicorn close the connection)."""
+    """ASGI wrapper for a request cut at the drain's bound: a 503 `draining` when its response has not
+    started; otherwise returning without completing it makes uvicorn close the connection mid-stream."""
 
     def __init__(self, app: ASGIApp, server: DrainingServer) -> None:
         self.app = app

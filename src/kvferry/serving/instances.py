@@ -1,6 +1,6 @@
-"""The proxy's view of its P and D instances: round-robin picks that skip ejected instances, ejection
-after a failed connect (or a dropped connection), an active `/health` check that takes a draining (503) or
-vanished instance out of rotation before a request finds out, and a probe that brings one back."""
+"""The proxy's view of its P and D instances: round-robin picks that skip ejected instances, ejection after
+a failed connect or a 503 `/health` (checked actively, so a request need not find out), and a probe that
+brings one back."""
 
 from __future__ import annotations
 
@@ -34,8 +34,7 @@ class PrefillTarget(Instance):
     engine_id: str = ""
     bootstrap_addr: str = ""
     known: bool = False
-    # A prefill instance that does not announce its engine id and bootstrap address (vLLM's /health
-    # answers an empty 200) is used sequentially: its answer's kv_transfer_params are handed to D.
+    # A P whose /health names no engine id and bootstrap address (vLLM's) is used sequentially.
     sequential: bool = False
     pinned: bool = False  # sequential by configuration, whatever /health says
 

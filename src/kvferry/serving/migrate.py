@@ -1,19 +1,10 @@
-"""Decode migration: the proxy relays D's stream event by event and, when D dies mid-stream (its
-connection breaks, or the stream ends without `[DONE]`), resumes it on another D from the prompt plus
-the tokens the client already has (serving/resume.py). kvferry's engine samples from (seed, position)
-and computes a sequence's bits the same wherever it runs, so the client's whole text is the fault-free
-answer: no token repeated or lost. The proxy gives every sampled request without a seed one of its own
-so that it, too, can be resumed.
-
-A D that aborts the request (finish_reason "abort": vLLM's default SIGTERM, a D shutting down) is gone
-too: its abort event is withheld and the stream resumes elsewhere, within the same budget. A chat stream
-begins with exactly one role chunk whichever D sends what: the proxy knows whether the client has one,
-so it strips a later D's and gives the first delta the role when no D sent it (a resumed kvferry D
-sends none; a D that died before its first chunk left the client without one).
-
-What it costs: each event is parsed (to strip the token ids D added for the proxy). What it cannot do:
-resume a D that announces no token ids (a vLLM D) once text reached the client — that stream ends with an
-error event. Before any text (a vLLM D that aborted before its first token) it restarts from the prompt."""
+"""Decode migration: the proxy relays D's stream event by event and, when D dies mid-stream (the
+connection breaks, the stream ends without `[DONE]`, or D aborts the request), resumes it on another D
+from the prompt plus the tokens the client already has (serving/resume.py). kvferry's engine samples
+from (seed, position) and computes the same bits anywhere, so the client's text is the fault-free
+answer; the proxy gives every unseeded sampled request a seed so it can be resumed. A chat stream keeps
+exactly one role chunk. A D that announces no token ids (vLLM) cannot be resumed once text reached the
+client: that stream ends with an error event."""
 
 from __future__ import annotations
 
@@ -133,8 +124,7 @@ class Migration:
         try:
             event = json.loads(payload)
         except ValueError:
-            self.state.resumable = False
-            return f"data: {payload}\n\n".encode()
+            event = None
         if not isinstance(event, dict):
             self.state.resumable = False
             return f"data: {payload}\n\n".encode()
@@ -144,8 +134,7 @@ class Migration:
         if isinstance(ids, list):
             self.state.token_ids.extend(ids)
         elif "error" not in event and _text_of(event):
-            # Text without its tokens: a D that announces no ids (vLLM). An event with no text (vLLM's role
-            # chunk) takes nothing from what a resume needs: the ids still spell the client's text.
+            # Text without its tokens (a vLLM D); an event without text takes nothing a resume needs.
             self.state.resumable = False
         self._one_role(event)
         # One stream, one id: a resumed D names its events as the first D did.
@@ -169,8 +158,7 @@ class Migration:
 
 
 def is_aborted(body: Any) -> bool:
-    """An answer or a stream event in which D aborted the request (vLLM's finish_reason "abort": its
-    SIGTERM without --shutdown-timeout, or any other abort D made on its own)."""
+    """An answer or a stream event in which D aborted the request (vLLM's finish_reason "abort")."""
     return isinstance(body, dict) and _finish_reason(body) == "abort"
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvferry.serving.openai_shapes import OpenAIRequest, error_body, usage
+from kvferry.serving.openai_shapes import OpenAIRequest, error_body, response_body, usage
 
 
 class TextPart(BaseModel):
@@ -74,21 +74,10 @@ def model_not_found(name: str) -> dict[str, Any]:
 def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
               completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id.replace("cmpl-", "chatcmpl-", 1),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-             "finish_reason": finish_reason}
-        ],
-        "usage": usage(prompt_tokens, completion_tokens),
-        "kv_transfer_params": kv_transfer_params,
-    }  # fmt: skip
-    if extra:
-        body.update(extra)
-    return body
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    return response_body(_chat_id(request_id), "chat.completion", model, choice, extra,
+                         usage=usage(prompt_tokens, completion_tokens), kv_transfer_params=kv_transfer_params)
 
 
 def chat_chunk(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
@@ -98,17 +87,14 @@ def chat_chunk(request_id: str, model: str, text: str, finish_reason: str | None
     delta: dict[str, Any] = {"content": text}
     if first:
         delta["role"] = "assistant"
-    body: dict[str, Any] = {
-        "id": request_id.replace("cmpl-", "chatcmpl-", 1),
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
+    fields: dict[str, Any] = {}
     if finish_reason is not None:
-        body["kv_transfer_params"] = kv_transfer_params
+        fields["kv_transfer_params"] = kv_transfer_params
         if include_usage:
-            body["usage"] = usage(prompt_tokens, completion_tokens)
-    if extra:
-        body.update(extra)
-    return body
+            fields["usage"] = usage(prompt_tokens, completion_tokens)
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return response_body(_chat_id(request_id), "chat.completion.chunk", model, choice, extra, **fields)
+
+
+def _chat_id(request_id: str) -> str:
+    return request_id.replace("cmpl-", "chatcmpl-", 1)

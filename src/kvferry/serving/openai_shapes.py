@@ -102,21 +102,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def response_body(request_id: str, kind: str, model: str, choice: dict[str, Any], extra: dict[str, Any] | None,
+                  **fields: Any) -> dict[str, Any]:
+    """A completion-like body with one choice; `fields` and then `extra` follow the choices."""
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
+            **fields}
+    return {**body, **extra} if extra else body
+
+
 def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
                     completion_tokens: int, kv_transfer_params: dict[str, Any] | None,
                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens),
-        "kv_transfer_params": kv_transfer_params,
-    }
-    if extra:
-        body.update(extra)
-    return body
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return response_body(request_id, "text_completion", model, choice, extra,
+                         usage=usage(prompt_tokens, completion_tokens), kv_transfer_params=kv_transfer_params)
 
 
 def new_request_id() -> str:

@@ -37,7 +37,6 @@ from kvferry.serving.proxy_attempt import Attempt, Outcome, PrefillConnections
 RETRY_BACKOFF_S = 0.25
 TRANSFER_ID_HEADER = "x-kvferry-transfer-id"
 ATTEMPTS_HEADER = "x-kvferry-attempts"
-# Not relayed from D: hop-by-hop headers, and the ones the proxy's own server sets (no duplicates).
 # How often a waiting handler checks whether its client went away (then both requests are dropped).
 _DISCONNECT_POLL_S = 0.1
 
@@ -179,11 +178,9 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: in
             # Lets a client (or `kvferry chaos`) match the answer with the fault function's prediction.
             response.headers[TRANSFER_ID_HEADER] = transfer_id
             response.headers[ATTEMPTS_HEADER] = str(attempt + 1)
-            # Three budgets: KV-load failures (--retries), instances that cannot be reached at all
-            # (--retry-unreachable), and D's that abort the request (--migrations: a stream's D that dies or
-            # aborts costs the same). The next attempt avoids the instance that failed; it backs off only
-            # when no other healthy instance is left (a restarted one is coming up, or the one P is paused:
-            # its next try should come after the pause, not within it).
+            # Three budgets (--retries, --retry-unreachable, --migrations). The next attempt avoids the
+            # instance that failed; it backs off only when no other healthy one is left (one restarting or
+            # paused: its next try should come after, not within, that).
             kv_failures += outcome is Outcome.KV_FAILED
             unreachable += outcome is Outcome.UNREACHABLE
             aborted += outcome is Outcome.ABORTED
@@ -195,12 +192,11 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], retries: in
                 return response
             metrics.requests.labels(outcome="retried").inc()
             last_p, last_d = target, decode
-            if outcome is Outcome.UNREACHABLE and (prefills.healthy() == 0 or decodes.healthy() == 0):
-                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (unreachable - 1)))
-            elif outcome is Outcome.KV_FAILED and prefills.healthy() <= 1:
-                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (kv_failures - 1)))
-            elif outcome is Outcome.ABORTED and decodes.healthy() == 0:  # the only D is shutting down
-                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (aborted - 1)))
+            count, alone = {Outcome.UNREACHABLE: (unreachable, prefills.healthy() == 0 or decodes.healthy() == 0),
+                            Outcome.KV_FAILED: (kv_failures, prefills.healthy() <= 1),
+                            Outcome.ABORTED: (aborted, decodes.healthy() == 0)}[outcome]
+            if alone:
+                await asyncio.sleep(min(2.0, RETRY_BACKOFF_S * 2 ** (count - 1)))
         raise AssertionError("unreachable")
 
     return app

@@ -1,7 +1,6 @@
-"""One attempt of the proxy: a prefill on P and a decode on D with one transfer_id, and what the
-outcome means for a retry. Whatever ends the attempt (an error on either side, D turning the request
-away, the client leaving) cancels the other side's request at once, so P never keeps prefilling, or
-holding blocks for, a request nobody will pull."""
+"""One attempt of the proxy: a prefill on P and a decode on D with one transfer_id, and what the outcome
+means for a retry. Whatever ends the attempt cancels the other side's request at once, so P never keeps
+prefilling, or holding blocks for, a request nobody will pull."""
 
 from __future__ import annotations
 
@@ -38,10 +37,9 @@ class Outcome(enum.Enum):
 
 class PrefillConnections:
     """P's requests, each on a connection of its own while it runs, closed on every way out but a whole
-    answer. Cancelling a request is how the proxy tells P to abort; cancelled mid-flight on a shared pool,
-    httpx leaves the socket open and out of the pool, never reclaimed. A connection whose answer was read
-    in full is kept for the next request to that P (a new connection costs TTFT), at most `max_idle` per
-    P and for at most `idle_s` (below uvicorn's 5 s keep-alive, so P never closes one we are about to use)."""
+    answer (cancelled mid-flight on a shared pool, httpx would leak the socket). A connection read in full
+    is kept for that P's next request, at most `max_idle` per P and for `idle_s`, below uvicorn's 5 s
+    keep-alive so P never closes one about to be used."""
 
     def __init__(self, max_idle: int = 8, idle_s: float = 2.0) -> None:
         self.max_idle = max_idle
@@ -99,10 +97,8 @@ class Attempt:
     stream: bool
     transfer_id: str
     path: str = "/v1/completions"  # or /v1/chat/completions
-    # The proxy's connections to P (None: one per request, closed after it).
-    p_conns: PrefillConnections | None = None
-    # A stream whose D dies is resumed on another D, at most this many times (0: not at all).
-    migrations: int = 0
+    p_conns: PrefillConnections | None = None  # None: one connection per request, closed after it
+    migrations: int = 0  # a stream whose D dies is resumed on another D at most this often
     on_migration: Callable[[str], None] = lambda _outcome: None
 
     @property
@@ -147,8 +143,7 @@ class Attempt:
             handed_over = result[0].status_code == 200 and self.stream
             return result
         finally:
-            # Every way out (an error, D's 4xx, the client leaving = CancelledError) drops both requests,
-            # except a stream being relayed: its generator owns them now.
+            # Every way out drops both requests, except a stream being relayed: its generator owns them.
             if not handed_over:
                 await _cancel(decode, prefill if not prefill.done() else None)
 
@@ -212,9 +207,8 @@ class Attempt:
         return StreamingResponse(_relay(d_response, prefill), 200, headers=headers), Outcome.DONE
 
     async def _p_is_gone(self, prefill: asyncio.Task[httpx.Response], code: str) -> bool:
-        """Did D's load fail because P died (D's liveness said so, P's own HTTP request broke, or its
-        /health does not answer)? D's `peer_dead` is already that verdict: a stopped P would hold the
-        /health probe for its whole timeout."""
+        """Did D's load fail because P died? D's `peer_dead` is that verdict already (a stopped P would hold
+        the /health probe for its whole timeout); else P's own request broke or its /health fails."""
         if code == "peer_dead":
             return True
         await asyncio.wait({prefill}, timeout=_P_VERDICT_WAIT_S)

@@ -1,12 +1,8 @@
 """Resuming a stream on another instance (the proxy's decode migration).
 
-When the D serving a stream dies, the proxy asks another instance for the same completion with
-`kvferry_resume: {"token_ids": [...], "text_sent": N}`: the tokens the client already has (as the dead D
-announced them, `kvferry_token_ids` in each chunk) and how many characters of text it was sent. The
-instance computes prompt + those tokens again (generated positions through the same per-row path as
-a preemption's recompute, so bit for bit what the dead D had), samples on from the same position with
-the same seed, and streams only the text after the first N characters: the client's whole text equals
-the fault-free answer, no token repeated or lost."""
+The proxy asks with `kvferry_resume: {"token_ids": [...], "text_sent": N}`; the instance recomputes
+prompt + those tokens (bit for bit what the dead D had), samples on with the same seed, and streams only
+the text after the first N characters, so no token is repeated or lost."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""The P/D protocols an instance speaks, turned into kvferry's own `kv_transfer_params` in one place.
+"""The P/D protocols an instance speaks, turned into kvferry's own `kv_transfer_params` in one place:
+kvferry / vLLM Mooncake proxy (passed through), vllm-router NIXL mode (P makes a transfer id from its
+request id), vllm-router Mooncake mode (the `http://` is dropped), and sglang-router (`bootstrap_*`
+fields: transfer id `room-<room>`, D asks the named bootstrap server which engine serves the room).
 
-- kvferry / vLLM Mooncake proxy: `kv_transfer_params` with `transfer_id` (passed through).
-- vllm-router, NIXL mode: `do_remote_decode` with no `transfer_id` and null `remote_*` keys → P makes a
-  transfer id from its request id and returns it in its answer, which the router hands to D.
-- vllm-router, Mooncake mode: `remote_bootstrap_addr` as `http://host:port` → the scheme is dropped.
-- sglang-router: no `kv_transfer_params`, but `bootstrap_host` / `bootstrap_port` / `bootstrap_room`,
-  sent to P and D at once. P prefills only (one token), under the transfer id `room-<room>`; D pulls that
-  transfer from the bootstrap server named in the request, asking it which engine serves the room.
-
-A request whose P/D fields this instance cannot honour is refused (`ProtocolError` → HTTP 400): a P/D
-request must never be computed in full on both sides without anyone noticing."""
+A request whose P/D fields this instance cannot honour is refused (`ProtocolError` → HTTP 400), so a P/D
+request is never silently computed in full on both sides."""
 
 from __future__ import annotations
 
@@ -112,21 +107,15 @@ def _sglang(role: str, fields: dict[str, Any]) -> PDRequest:
 
 
 class EngineResolver:
-    """sglang's D knows P's bootstrap server and the room, not P's engine id: ask the server (cached).
-
-    The server lists its engines by data-parallel rank; the room picks one, as SGLang's own prefill
-    ranks do (`room % number of ranks`). The address comes from the client, so the question follows the
-    vLLM path's rule (`refused_alike`): only an allowed host and port is asked, and every failure is the
-    one `REFUSED` answer at one time (no SSRF, no port oracle).
-
-    The list is not MAC'd, and need not be: whoever answers can only name an engine id, which D then
-    looks up at the same address with its nonce, and that answer must carry a valid MAC (with the
-    secret) before D pulls anything. A fake list cannot point D at another host nor at a fake P."""
+    """sglang's D knows P's bootstrap server and the room, not P's engine id: ask the server (cached); the
+    room picks one of its ranks (`room % number of ranks`). The address comes from the client, so only an
+    allowed host and port is asked and every failure is one `REFUSED` answer (no SSRF, no port oracle).
+    The list needs no MAC: it only names an engine id, whose lookup at the same address must carry one."""
 
     def __init__(self, allow: PrefillAllowList, timeout_s: float = FAIL_AFTER_S) -> None:
         self._allow = allow
         self._timeout_s = timeout_s
-        # Valid answers (kept when stale: a server here once answered, so it fails fast with its reason).
+        # Valid answers, kept when stale: a server that once answered fails fast with its reason.
         self._cache: dict[str, tuple[float, list[str]]] = {}
 
     async def engine_for(self, bootstrap_addr: str, room: int) -> str:

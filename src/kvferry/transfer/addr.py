@@ -1,7 +1,5 @@
-"""`host:port` addresses of the data planes: one way to write them, split them and compare them.
-
-Both engines check that a grant token or handshake names the address the writer dialed, so every
-side must spell an address the same way (`canonical_addr`)."""
+"""`host:port` addresses of the data planes, spelt one way (`canonical_addr`): both engines check that a
+token or handshake names the address the writer dialed."""
 
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ def canonical_addr(addr: str) -> str:
 
 
 def advertised_addr(advertise: str | None, host: str, bound: int) -> str:
-    """The canonical address peers dial: `advertise`, else host and the bound port; port 0 in
-    `advertise` means the bound one (the kernel chose it). '' if `advertise` is no address."""
+    """The canonical address peers dial: `advertise` (port 0: the bound one), else host and the bound
+    port; '' if `advertise` is no address."""
     addr = canonical_addr(advertise or join_addr(host, bound))
     return addr[:-1] + str(bound) if addr.endswith(":0") else addr

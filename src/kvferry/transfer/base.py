@@ -1,8 +1,7 @@
 """The data-plane interface: move bytes from local registered memory into a peer's registered memory.
 
-The receiving side only accepts bytes into ranges that one of its open *grants* allows (see
-`open_grant`), so a stale or hostile writer can never touch memory it was not invited into, and the
-receiver knows exactly which byte ranges each grant got completely written."""
+The receiver accepts bytes only into ranges one of its open *grants* allows, so a stale or hostile writer
+never touches memory it was not invited into, and it knows exactly which ranges each grant got written."""
 
 from __future__ import annotations
 
@@ -82,19 +81,15 @@ class TransferEngine(abc.ABC):
 
     @abc.abstractmethod
     def write(self, peer: str, token: str, ops: Sequence[WriteOp], deadline: float) -> None:
-        """Write `ops` into `peer` under its grant `token`; returns when all bytes landed.
-
-        `deadline` is an absolute `time.monotonic()` value. Raises `TransferError` on any failure,
-        never later than the deadline (plus scheduling slack)."""
+        """Write `ops` into `peer` under its grant `token`; returns when all bytes landed. Raises
+        `TransferError` on any failure, never later than `deadline` (`time.monotonic()`)."""
 
     def abort_writes(self, peer: str, token: str | None = None) -> None:  # noqa: B027 (optional: a no-op is correct)
-        """Best effort: make the write to `peer` for grant `token` (all writes to `peer` when None) in
-        flight fail now rather than at its deadline."""
+        """Best effort: make the write to `peer` for `token` (all when None) fail now, not at its deadline."""
 
     def draining(self, token: str) -> bool:
-        """True while a closed grant's memory may still receive bytes (a read posted before the close
-        that has neither ended nor been cancelled): the caller must not reuse that memory yet. An
-        engine whose `close_grant` waits for everything in flight never drains."""
+        """True while a closed grant's memory may still receive bytes (a read posted before the close has
+        not ended): the caller must not reuse that memory yet."""
         return False
 
     @property

@@ -1,21 +1,15 @@
-"""The `--transfer` factory: one data-plane engine for a name.
-
-Each engine is imported only when named, so a missing optional library (nixl, mooncake) matters only
-to whoever asks for it."""
+"""The `--transfer` factory: each engine is imported only when named, so a missing optional library
+matters only to whoever asks for it."""
 
 from __future__ import annotations
 
 from kvferry.transfer.base import TransferEngine
 
-NAMES = ("tcp", "mooncake", "nixl")
-
 
 def new_engine(name: str, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None,
                advertise: str | None = None) -> TransferEngine:
     """The engine called `name`, listening on host:port (0: the kernel picks) and dialed at `advertise`.
-
-    Mooncake takes only the host (it picks its own port and has no secret). Any name but "mooncake"
-    and "nixl" is the built-in TCP engine: names are checked where they are read (cli, vLLM settings)."""
+    Mooncake takes only the host; any other name but "nixl" is the built-in TCP engine."""
     if name == "mooncake":
         from kvferry.transfer.mooncake import MooncakeTransferEngine
 

@@ -27,10 +27,16 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
     return out
 
 
-class Progress:
-    """How far one incoming message got: ops[:done] complete, then `partial` bytes of ops[done].
+def allowed_arrays(spans: Sequence[Span]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Merged spans per region as sorted (starts, ends) arrays, for vectorised checks."""
+    return {region: (np.array([s[1] for s in spans if s[0] == region], np.uint64),
+                     np.array([s[2] for s in spans if s[0] == region], np.uint64))
+            for region in dict.fromkeys(s[0] for s in spans)}
 
-    The receive loop only bumps two integers per chunk; spans are built when someone asks."""
+
+class Progress:
+    """How far one incoming message got: ops[:done] complete, then `partial` bytes of ops[done]; spans are
+    built only when someone asks, so the receive loop bumps two integers per chunk."""
 
     __slots__ = ("names", "ridx", "offs", "lens", "done", "partial", "folded", "finished")
 
@@ -56,14 +62,7 @@ class Grant:
         self.token = token
         self.lock = threading.Lock()
         self.open = True
-        # Merged allowed ranges per region as sorted arrays, for vectorised checks.
-        self.allowed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for region in {s[0] for s in spans}:
-            mine = [s for s in spans if s[0] == region]
-            self.allowed[region] = (
-                np.array([s[1] for s in mine], np.uint64),
-                np.array([s[2] for s in mine], np.uint64),
-            )
+        self.allowed = allowed_arrays(spans)
         self._landed: list[Span] = []  # merged
         self._active: list[Progress] = []  # messages landing (or that landed) since the last fold
         self.poisoned = False  # a tag failed on this grant: nothing of it counts, nothing more lands
@@ -73,8 +72,8 @@ class Grant:
         self._active.append(progress)
 
     def poison(self) -> None:
-        """A message under this grant failed its tag: the grant reports nothing written from now on and
-        refuses every further byte (as if closed), so its transfer ends failed. Caller holds `lock`."""
+        """A message failed its tag: nothing counts as written and every further byte is refused, so the
+        transfer fails. Caller holds `lock`."""
         self.poisoned = True
         self.open = False
 

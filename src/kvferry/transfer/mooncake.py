@@ -1,19 +1,9 @@
 """Optional backend on Mooncake Transfer Engine (`pip install 'kvferry[mooncake]'` + Debian libibverbs1).
 
-Mooncake writes raw memory on the receiver without asking it, so this backend cannot enforce grants:
-`open_grant` only does bookkeeping and encodes the receiver's region base addresses into the token
-(that is how the sender learns where to write), `written` is always empty, `close_grant` is NOT a
-fence (Mooncake was seen landing bytes ~3 s after a failed call) and `tracks_progress` is False:
-callers recover a failed request as a whole. Its listeners bind all interfaces, without
-authentication; prefer the built-in TCP engine unless you need RDMA.
-
-Guard rails around its sharp edges:
-- one dedicated sending Mooncake engine per peer, at most one job (≤ 1,024 entries per call, split
-  batches) in flight per peer: more entries are rejected and can wedge the peer's connection;
-- every call runs on a worker thread and the caller waits only until its deadline (Mooncake's own
-  timeout is ≥ 5 s, 60 s during a handshake); a timed-out or repeatedly failing peer gets a fresh
-  sending engine;
-- runs are coalesced before submission (Mooncake sends every entry as its own request)."""
+Mooncake writes raw memory on the receiver without asking it, so this backend cannot enforce grants: the
+token carries the receiver's base addresses, `written` is always empty, `close_grant` is NOT a fence and
+`tracks_progress` is False. Its listeners bind all interfaces without authentication. One sending engine
+per peer with one job in flight (more can wedge the connection), waited for only until the deadline."""
 
 from __future__ import annotations
 
@@ -151,14 +141,14 @@ class MooncakeTransferEngine(TransferEngine):
         threading.Thread(target=job.run, name="kvferry-mooncake", daemon=True).start()
         if not job.done.wait(max(0.0, deadline - time.monotonic())):
             job.cancel = True
-            self._fail(peer, link, force=True)
+            self._fail(link, force=True)
             raise TransferError(E.TIMEOUT, f"mooncake write to {peer} passed its deadline")
         if job.error:
-            self._fail(peer, link, force=False)
+            self._fail(link, force=False)
             raise TransferError(E.RESET, f"mooncake write to {peer} failed: {job.error}")
         link.failures = 0
 
-    def _fail(self, peer: str, link: _Link, force: bool) -> None:
+    def _fail(self, link: _Link, force: bool) -> None:
         link.failures += 1
         if force or link.failures >= MAX_FAILURES:
             link.engine = None  # the worker keeps the old one alive until its call returns

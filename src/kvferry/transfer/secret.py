@@ -1,30 +1,11 @@
 """The deployment secret (`KVFERRY_SECRET`): how strong it must be, and the keys derived from it.
 
-A secret must carry at least 128 bits, estimated conservatively from how it is spelled, since
-anyone who sees one MAC (a bootstrap answer, a control message) can test guesses offline:
-
-- only hex digits: 4 bits a character, so at least 32 (`secrets.token_hex(16)`);
-- only the base64 / base64url alphabet (`=` padding ignored): 6 bits a character, at least 22;
-- any other text: 6 bits a character too (a passphrase is worth less than its alphabet says), at
-  least 22 characters;
-- raw bytes that are not text (UTF-8): 8 bits a byte, at least 16 bytes;
-
-and, whatever its length, it must not look made by hand: at least 6 distinct characters, and not
-one shorter piece repeated (`aaaa…`, `passwordpassword…`). A random secret of the lengths above fails
-these with odds under 10^-12. `kvferry secret` prints one (`new_secret`: 256 bits, base64url).
-
-Text is also read as a pattern (`pattern_bits`), as a guesser would try it: the pieces between
-punctuation or spaces, each of one kind (2 bits): a word (one case, pronounceable: `WORD_BITS`, as
-drawn from an 8,000-word list), a number (log2 10 a digit; a run counting up, down or repeating only a
-few bits), a word and a number (`secret2024`), or random characters at the per-character rate above;
-and the separators between words and numbers (5 bits, 1 for the one before repeated).
-`kvferry-prod-secret-123456` reads as 3 words and a 6-digit number, about 66 bits, not the 156 its
-spelling gives. A random token holds word-like pieces by chance too, so the pattern counts only when it
-is at least `PATTERN_SLACK_BITS` cheaper than the spelling: 7 of 10^6 random 22-character base64url
-tokens are that lucky (and are refused), a 43-character one from `kvferry secret` still keeps over 200
-bits then, and a secret that is part template, part random is counted at most that many bits high.
-
-Keys: HKDF (RFC 5869, SHA-256, pyca `cryptography`) over the secret, one `info` label per use, so a
+A secret must carry at least 128 bits, estimated conservatively from its spelling, because anyone who
+sees one MAC can test guesses offline: 4 bits a hex digit, 6 a base64(url) or other text character, 8 a
+raw non-UTF-8 byte; and it must not look hand-made (at least 6 distinct characters, not one piece
+repeated). Text is also read as a pattern a guesser would try (`pattern_bits`: words, numbers and
+separators), which counts only when at least `PATTERN_SLACK_BITS` cheaper than the spelling, so a random
+token's chance word-like pieces rarely cost it. Keys: HKDF-SHA256 with one `info` label per use, so a
 MAC made for one protocol is never valid in another (`LABELS`)."""
 
 from __future__ import annotations
@@ -69,7 +50,7 @@ class Estimate:
 
 
 def estimate_bits(secret: str | bytes) -> int:
-    """A conservative estimate of the secret's entropy (the rules in this module's docstring)."""
+    """A conservative estimate of the secret's entropy."""
     return estimate(secret).bits
 
 
@@ -125,8 +106,7 @@ def pattern_bits(text: str, rate: float) -> tuple[float, str]:
             words += sum(1 for run in runs if run.isalpha())
             numbers += [len(run) for run in runs if run.isdigit()]
             continue
-        # A separator between words and numbers (or a string's end) is a template's; next to random
-        # characters it is one of them.
+        # A separator between words and numbers is a template's; next to random characters, one of them.
         beside = [costs[j] for j in (i - 1, i + 1) if 0 <= j < len(pieces) and not _is_separator(pieces[j])]
         if all(c is not None for c in beside):
             bits += _REPEATED_SEPARATOR_BITS if piece == previous else _SEPARATOR_BITS
@@ -159,8 +139,7 @@ def _piece_bits(piece: str) -> float | None:
 
 
 def _number_bits(run: str) -> float:
-    """log2 10 a digit; a run of one digit, or counting up or down (`123456`), only its first digit,
-    direction and length."""
+    """log2 10 a digit; a repeated or counting run (`123456`) only its first digit, direction and length."""
     steps = {ord(b) - ord(a) for a, b in zip(run, run[1:], strict=False)}
     if len(run) >= 3 and len(steps) == 1 and steps <= {-1, 0, 1}:
         return _DIGIT_BITS + math.log2(3) + math.log2(len(run))
@@ -204,8 +183,7 @@ def check_secret(secret: str | bytes) -> bytes:
 
 
 def env_ok(prog: str) -> bool:
-    """False, after saying why on stderr, when KVFERRY_SECRET is set but too weak (a command's check
-    before anything listens)."""
+    """False, after saying why on stderr, when KVFERRY_SECRET is set but too weak."""
     try:
         from_env()
     except WeakSecret as e:
@@ -221,8 +199,8 @@ def from_env() -> bytes | None:
 
 
 def derive_key(secret: bytes, label: str, salt: bytes | None = None, context: bytes = b"", length: int = 32) -> bytes:
-    """HKDF-SHA256 of the secret under `LABELS[label]` (+ `context`), `length` bytes. A weak secret is
-    refused here too, so no key ever comes from one, whoever passed it."""
+    """HKDF-SHA256 of the secret under `LABELS[label]` + `context`. A weak secret is refused here too, so
+    no key ever comes from one."""
     check_secret(secret)
     hkdf = HKDF(algorithm=SHA256(), length=length, salt=salt, info=LABELS[label] + context)
     return hkdf.derive(secret)

@@ -10,8 +10,7 @@ from collections.abc import Iterator
 
 
 def engine_cpus() -> set[int]:
-    """The CPUs this vLLM engine may use before its worker bound itself for compute: the engine core's
-    (our parent's) affinity, else every CPU this process could be allowed."""
+    """The engine core's (our parent's) CPU affinity, else every CPU."""
     with contextlib.suppress(OSError):
         return os.sched_getaffinity(os.getppid())
     return set(range(os.cpu_count() or 1))
@@ -19,9 +18,8 @@ def engine_cpus() -> set[int]:
 
 @contextlib.contextmanager
 def connector_affinity(cpus: set[int] | None = None) -> Iterator[set[int]]:
-    """Run the block with the calling thread on `cpus` (default: `engine_cpus()`), so that every thread
-    it starts (ZMQ I/O threads included) inherits them; the calling thread's binding is restored after.
-    `KVFERRY_CPUS` (e.g. "2-3,6") overrides the set."""
+    """Run the block with the calling thread on `cpus` (default: `engine_cpus()`; env `KVFERRY_CPUS`, e.g.
+    "2-3,6", overrides), so every thread it starts inherits them; restored after."""
     env = os.environ.get("KVFERRY_CPUS", "")
     wanted = _parse_cpus(env) if env else (cpus or engine_cpus())
     saved = os.sched_getaffinity(0)

@@ -4,43 +4,8 @@
         "kv_connector_module_path": "kvferry.integrations.vllm", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"bootstrap_port": 8998}}'
 
-Both roles delegate to kvferry's `PDConnector`: `kv_producer` → its prefill side, `kv_consumer` → its
-decode side, `kv_both` → one of each, chosen per request by its kv_transfer_params (`do_remote_decode`
-→ prefill side, `do_remote_prefill` → decode side). kvferry settings come from
-`kv_connector_extra_config` (see `KVFerrySettings`). Only `kvferry.integrations.vllm` imports vLLM;
-`import kvferry` never does.
-
-This module is the facade vLLM loads (as vLLM's own NixlConnector): each call goes to the half that owns
-it, `KVFerryScheduler` (scheduler.py, in the engine core) or `KVFerryWorker` (worker.py, in
-the worker); settings.py reads the settings, metadata.py is what the halves send each other,
-layout.py maps vLLM's KV cache for kvferry, affinity.py places kvferry's threads.
-
-What vLLM's scheduler requires, and how it is met here:
-- each finished id is reported once per direction, and only ids vLLM still holds: the worker reports a
-  sending id only for a transfer the scheduler handed it (vLLM then holds the blocks, `delay_free`), and
-  a receiving id only for a pull into blocks (never for a release-only pull); anything else is dropped
-  and logged;
-- failed loads: the request is reported in finished_recving in the same step as its invalid blocks
-  (`get_block_ids_with_load_errors`), so `kv_load_failure_policy` decides: `fail` → FINISHED_ERROR,
-  `recompute` → computed tokens cut at the first invalid block;
-- `SupportsHMA` (vLLM's hybrid allocator stays on): `request_finished_all_groups` gets every KV cache
-  group's block ids, and the pull carries each group's blocks (groups.py): all prompt blocks of a
-  full-attention group, of a sliding-window group only those in the window (vLLM points the rest at its
-  null block). With several groups vLLM 0.33 refuses block-level load errors, so a failed load is the
-  request in `failed_recving` (`get_transfer_results`): `fail` ends it, `recompute` computes its whole
-  prompt again. Mamba/SSM state groups and other special specs are refused at start, by name;
-- `update_state_after_alloc` called again with 0 external tokens after an async load is ignored;
-- a prefix-cache hit on D (`num_computed_tokens` > 0, whole blocks): the connector answers the prompt's
-  tokens past it, and D pulls only those blocks (the pull's `first_block`); vLLM's block ids with load
-  errors are then among them, so `recompute` keeps the hit.
-
-What kvferry requires of vLLM's scheduler, and where it comes from:
-- P must know a transfer is coming from the moment its request is queued (`PDConnector.on_request_added`):
-  only then does it keep a pull for it parked, and say "working" in D's heartbeat acks, however long
-  the request waits in P's queue; otherwise D's receive timeout (and P's abort timeout on a parked pull)
-  would count P's queueing time. vLLM calls `on_new_request` when a request is added (0.33), and
-  `get_num_new_matched_tokens` whenever it considers a waiting request (earlier versions have only
-  this one, and vLLM skips it while every run slot is taken); both report the request, once."""
+Both roles delegate to kvferry's `PDConnector` (`kv_both`: one of each, chosen per request by its
+kv_transfer_params); this facade routes each call to `KVFerryScheduler` (engine core) or `KVFerryWorker`."""
 
 from __future__ import annotations
 
@@ -87,14 +52,13 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         kv_config = self._kv_transfer_config
-        roles = kvferry_roles(vllm_config, kv_cache_config, kv_config.kv_role)
+        roles = kvferry_roles(vllm_config, kv_config.kv_role)
         extra = dict(kv_config.kv_connector_extra_config or {})
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)
         self.settings = KVFerrySettings.from_extra_config(extra, str(kv_config.engine_id)).for_data_parallel(
             int(parallel.data_parallel_rank), int(parallel.data_parallel_size), tp_size, "engine_id" in extra)
         self.block_size = int(vllm_config.cache_config.block_size)
-        # vLLM's KV cache groups (hybrid allocator): which blocks of which layers move (groups.py)
         self.groups = None if kv_cache_config is None else KVGroups.from_config(kv_cache_config, self.block_size)
         self.num_blocks = 0 if kv_cache_config is None else int(kv_cache_config.num_blocks)
         is_scheduler = role == KVConnectorRole.SCHEDULER
@@ -103,8 +67,6 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.pd: dict[str, PDConnector] = {
             r: PDConnector(pd_role, self.settings.pd_config(r, self.block_size, tp_size, tp_rank)) for r in roles
         }
-        # One half per role, as vLLM builds one connector per role: the scheduler's in the engine core,
-        # the worker's in the worker.
         self.connector_scheduler: KVFerryScheduler | None = None
         self.connector_worker: KVFerryWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -1,23 +1,11 @@
 """vLLM's KV cache groups (its hybrid memory allocator, HMA) as kvferry sees them.
 
-A hybrid model (full attention plus sliding-window layers: gpt-oss, Gemma 3, ...) has one block table per
-group; all groups draw from one block pool and their layers share one allocation, so a block id names
-memory of one group only, and only that group's layers may be read or written at it. kvferry's transfer
-core moves a flat list of block ids over one `KVLayout`, so each (group g, block b) is one *virtual*
-block id `g * num_blocks + b`, whose byte runs are the runs of group g's layers at block b
-(`LayoutDescription.groups`). With one group the virtual ids are vLLM's ids, unchanged.
-
-Which blocks move: every prompt block of a full-attention group, and of a sliding-window group only those
-inside the window of the prompt's last token. vLLM's D allocates exactly those (the skipped ones point at
-its null block, id 0) and P holds at least those, so both sides list the same positions in the same
-order without asking each other (`KVGroups.transfer_ids`); P's and D's block counts are checked against
-`KVGroups.blocks_for`. Past a prefix-cache hit on D only each group's blocks from the hit on move (a
-sliding-window group's from its window's first block, if that is later): D lists those, P finds them
-in its own list (`KVGroups.pull_positions`).
-
-Not supported, refused at start by name: mamba/SSM state groups (their state is one slot per request,
-not per token block), chunked local attention, cross attention and other special specs, groups with
-different block sizes, and groups vLLM marks as not transferable."""
+A hybrid model has one block table per group drawing from one pool, so a block id names memory of one
+group's layers only. kvferry's transfer core moves a flat list of block ids over one `KVLayout`, so each
+(group g, block b) is one *virtual* block id `g * num_blocks + b`; with one group they are vLLM's ids.
+Every prompt block of a full-attention group moves, and of a sliding-window group only those inside the
+window: P and D derive the same list without asking each other (`KVGroups.transfer_ids`). Mamba/SSM
+state, special specs, mixed block sizes and non-transferable groups are refused at start by name."""
 
 from __future__ import annotations
 
@@ -88,9 +76,8 @@ class KVGroups:
         return sum(n - min(n, g.first_block(num_tokens, self.block_size)) for g in self.groups)
 
     def pull_positions(self, num_tokens: int, first_block: int) -> list[int]:
-        """Which entries of the `blocks_for` list a pull names when D already holds the prompt's first
-        `first_block` blocks (its prefix cache): per group the blocks from `first_block` or from its
-        window's first block, whichever is later."""
+        """Which entries of the `blocks_for` list a pull names when D's prefix cache holds the prompt's
+        first `first_block` blocks."""
         n = -(-num_tokens // self.block_size)
         out: list[int] = []
         offset = 0  # where this group's blocks start in the list
@@ -102,10 +89,8 @@ class KVGroups:
 
     def transfer_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int, num_blocks: int,
                      side: str, first_block: int = 0) -> list[int]:
-        """The virtual ids of the blocks a `num_tokens` prompt moves, from vLLM's per-group block ids
-        (at least the prompt's blocks per group), from prompt block `first_block` on (D's prefix-cache
-        hit: the blocks before it are D's own); ValueError where a block that must move is vLLM's null
-        block or missing (`side` names whose blocks, for the message)."""
+        """The virtual ids of the blocks a `num_tokens` prompt moves from block `first_block` on, from
+        vLLM's per-group block ids; ValueError where one is missing or vLLM's null block."""
         if len(block_ids) != len(self.groups):
             raise ValueError(f"{side}: {len(block_ids)} block lists for {len(self.groups)} KV cache groups")
         n = -(-num_tokens // self.block_size)

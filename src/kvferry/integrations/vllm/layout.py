@@ -1,28 +1,13 @@
-"""A `KVLayout` over vLLM's per-layer KV cache tensors, so kvferry's producer and consumer can move vLLM's
-KV blocks without knowing vLLM's memory layout.
+"""A `KVLayout` over vLLM's per-layer KV cache tensors, so kvferry moves vLLM's KV blocks without knowing
+vLLM's memory layout: a block's byte runs come from the tensors' strides, so any layout works as long as
+P and D use the same one. A layer dense in memory is its own region; interleaved layers share one region
+per backing storage.
 
-vLLM (0.33) hands the worker connector one tensor per attention layer, a strided view of the logical shape
-`[B, H, N, C]` (block, KV head, token in block, K|V content) whose physical order depends on the resolved
-KV cache layout (LBNHC by default; all layers usually share one backing allocation). Each layer whose
-view is dense in memory (layer-outermost layouts) is registered as its own region, named after the layer;
-layers that interleave with others (block-outermost layouts) fall back to one region per backing storage.
-A block's byte runs are derived from the strides, so any layout works as long as P and D use the same
-one (same model, same vLLM settings).
-
-KV caches on a device (a GPU) are staged: the layout registers a host mirror shaped, strided and sharing
-storage exactly like the device tensors (pinned when CUDA is up), so every byte run and checksum is the
-same as for host memory. P copies a write's blocks device → mirror just before it reads them
-(`stage_out`: one gather on the device and one copy per layer); D copies received, verified blocks
-mirror → device before the scheduler sees them (`stage_in`). The same code runs on CPU tensors with
-staging forced on (`staging=True`), which is how the tests cover it without a GPU. docs/vllm.md says
-what each copy costs.
-
-Device copies are asynchronous: a kernel launch returns before it ran. Both staging directions therefore
-launch their copies through `DeviceCopies` and wait for them before returning, because what comes next
-reads the result from elsewhere: P's data plane reads the mirror right after `stage_out`, and D reports
-the request in `finished_recving` right after `stage_in`, after which vLLM's forward (on its own stream)
-may read the blocks. On CUDA the copies run on a dedicated stream and are waited for through an event
-recorded after them, so they neither queue behind the model's kernels nor are waited for by them."""
+Device KV caches are staged through a host mirror with the same shapes, strides and storage sharing, so
+byte runs and checksums match host memory: P copies device → mirror before reading (`stage_out`), D
+copies mirror → device before the scheduler sees the blocks (`stage_in`). Both wait for their copies
+before returning, because the next reader (P's data plane, vLLM's forward on its own stream) reads the
+result from elsewhere."""
 
 from __future__ import annotations
 
@@ -42,25 +27,19 @@ class UnsupportedKVCacheError(ValueError):
     pass
 
 
-def _nothing_to_wait_for() -> None:
-    return
-
-
 class DeviceCopies:
-    """Launches staging copies on the KV cache's device; `launch` returns a function that blocks until
-    they all completed. This base runs them in the calling thread and is right where a copy is complete
-    when the call returns (CPU tensors, the `meta` device)."""
+    """Launches staging copies; `launch` returns a function that blocks until they complete. This base
+    runs them synchronously (CPU tensors, the `meta` device)."""
 
     def launch(self, copies: Sequence[Callable[[], object]]) -> Callable[[], None]:
         for copy in copies:
             copy()
-        return _nothing_to_wait_for
+        return lambda: None
 
 
 class CudaCopies(DeviceCopies):
-    """Copies on a dedicated CUDA stream, completed when an event recorded after them is. The stream is
-    one of torch's non-blocking pool streams: it does not serialize with the legacy default stream,
-    so the copies do not wait for the model's kernels, nor the model for them."""
+    """Copies on a dedicated non-blocking CUDA stream, so they neither wait for the model's kernels nor
+    the model for them; complete when an event recorded after them is."""
 
     def __init__(self, device: Any) -> None:
         import torch
@@ -81,8 +60,7 @@ class CudaCopies(DeviceCopies):
 
 
 class BarrierCopies(DeviceCopies):
-    """Another accelerator: copies on its current stream, then the whole device synchronized (slower
-    than an event, but complete for any device torch drives)."""
+    """Another accelerator: copies on its current stream, then the whole device synchronized."""
 
     def __init__(self, device: Any) -> None:
         self.device = device
@@ -109,18 +87,14 @@ def device_copies(device: Any) -> DeviceCopies:
 
 
 class VllmKVLayout(KVLayout):
-    """Regions and block runs of vLLM's per-layer KV cache tensors (CPU tensors, TP=1 or any head split).
-
-    `num_blocks` is the scheduler's block count (`KVCacheConfig.num_blocks`); a layer tensor may hold a
-    whole multiple of it when the attention kernel splits manager blocks into smaller kernel blocks."""
+    """Regions and block runs of vLLM's per-layer KV cache tensors. `num_blocks` is the scheduler's count;
+    a layer tensor may hold a whole multiple of it (kernel blocks smaller than manager blocks)."""
 
     def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int, block_size: int,
                  staging: bool | None = None, tp_rank: int = 0, tp_size: int = 1, replicated: bool = False,
                  groups: KVGroups | None = None) -> None:
-        """`staging`: None stages when a tensor is not in host memory; True always; False never (a device
-        tensor is then refused). `tp_rank` of `tp_size`: the tensors hold this rank's slice of the
-        model's KV heads; block runs are asked for by model-wide head indices. `replicated`: every rank
-        holds the whole KV (MLA: vLLM's `[B, 1, N, C]` latent cache, C = kv_lora_rank + rope dim)."""
+        """`staging`: None stages device tensors; True always; False never (a device tensor is refused).
+        The tensors hold rank `tp_rank`'s slice of the KV heads, unless `replicated` (MLA's latent cache)."""
         if not kv_caches:
             raise UnsupportedKVCacheError("no KV cache tensors to register")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -147,7 +121,6 @@ class VllmKVLayout(KVLayout):
         if not 0 <= tp_rank < tp_size:
             raise UnsupportedKVCacheError(f"tensor parallel rank {tp_rank} out of range for size {tp_size}")
         self.replicated = replicated
-        # model-wide; this rank holds [tp_rank * held, ... + held), or all of them when replicated
         self.num_kv_heads = held if replicated else held * tp_size
         first_head = 0 if replicated else tp_rank * held
         self._block_bytes = sum(
@@ -158,8 +131,7 @@ class VllmKVLayout(KVLayout):
         self._set_groups(groups)
 
     def _set_groups(self, groups: KVGroups | None) -> None:
-        """vLLM's KV cache groups (groups.py): block id g * pool_blocks + b is block b of group g's
-        layers; with one full-attention group the ids are vLLM's."""
+        """vLLM's KV cache groups: block id g * pool_blocks + b is block b of group g's layers."""
         self.groups, self.pool_blocks = groups, self.num_blocks
         self._group_pairs = [self._pairs]  # per group: its layers' (KV cache, host tensor)
         if groups is None or not groups.hybrid:
@@ -231,14 +203,12 @@ class VllmKVLayout(KVLayout):
             0, index, cache.index_select(0, index.to(cache.device)).cpu()))
 
     def stage_in(self, block_ids: Sequence[int]) -> None:
-        """Mirror → device; returns once the KV cache holds the blocks: the caller reports the request
-        in `finished_recving` next, and vLLM's forward may read them in its next step."""
+        """Mirror → device; returns once the KV cache holds the blocks (vLLM's forward may read them next)."""
         self._stage(block_ids, lambda cache, host, index: cache.index_copy_(
             0, index.to(cache.device), host.index_select(0, index).to(cache.device)))
 
     def _stage(self, block_ids: Sequence[int], copy: Callable[[Any, Any, Any], object]) -> None:
-        """`copy(KV cache, host tensor, kernel block index)` for every layer, on `copies`; returns once all
-        are done."""
+        """`copy(KV cache, host tensor, kernel block index)` for every layer; returns once all are done."""
         if not self.staged or not block_ids:
             return
         wait = self.copies.launch([functools.partial(copy, cache, host, index)
@@ -246,8 +216,7 @@ class VllmKVLayout(KVLayout):
         wait()
 
     def _by_group(self, block_ids: Sequence[int]) -> list[tuple[list[tuple[Any, Any]], Any]]:
-        """(the layers' (KV cache, host) tensors, kernel block index) per KV cache group of `block_ids`:
-        a block id is memory of its group's layers only."""
+        """(the group's (KV cache, host) tensor pairs, kernel block index) per KV cache group of `block_ids`."""
         by: dict[int, list[int]] = {}
         for v in block_ids:
             if not 0 <= v < self.num_blocks:
@@ -281,8 +250,7 @@ class VllmKVLayout(KVLayout):
 
 
 def host_mirror(kv_caches: Mapping[str, Any]) -> dict[str, Any]:
-    """Host tensors with the shapes, strides and storage sharing of `kv_caches` (tensors that share a
-    device allocation share one host allocation too), pinned when CUDA is up so copies are DMA."""
+    """Host tensors with the shapes, strides and storage sharing of `kv_caches`, pinned when CUDA is up."""
     import torch
 
     pin = torch.cuda.is_available()

@@ -1,6 +1,4 @@
-"""What KVFerryConnector's halves send each other through vLLM (pickled, across processes): the
-scheduler's per-step instructions to the worker, the worker's failure causes back, and once at start
-each worker's bootstrap entries (vLLM's KV connector handshake metadata)."""
+"""What KVFerryConnector's halves send each other through vLLM (pickled, across processes)."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ from kvferry.connector.metadata import PDMetadata
 
 @dataclass
 class KVFerryHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """Worker → engine core, once after the KV cache is registered: the bootstrap entries (control
-    addresses) of the P ranks this worker serves. vLLM gathers every rank's and hands them to the
-    scheduler half, which serves P's bootstrap for the whole engine."""
+    """Worker → engine core, once after the KV cache is registered: the bootstrap entries of the P ranks
+    this worker serves (the scheduler half serves P's bootstrap for the whole engine)."""
 
     registrations: list[Registration] = field(default_factory=list)
 
@@ -37,8 +34,8 @@ class KVFerryConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker → scheduler, once per step: why loads failed (request id → (cause, message)), and per
-    request how many ranks quarantined its blocks or released them (quarantine.py)."""
+    """Worker → scheduler, once per step: why loads failed, and per request how many ranks quarantined
+    or released its blocks."""
 
     causes: dict[str, tuple[str, str]] = field(default_factory=dict)
     quarantined: dict[str, int] = field(default_factory=dict)

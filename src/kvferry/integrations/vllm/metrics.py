@@ -1,10 +1,6 @@
-"""kvferry's failure counters inside vLLM's own `/metrics`.
-
-vLLM runs the connector's scheduler side in its engine-core process and serves `/metrics` from its API
-server process; the only road between them is vLLM's KV connector stats: the engine core hands
-`get_kv_connector_stats()` to the frontend with its scheduler stats, and the frontend's Prometheus logger
-passes them to the connector class's `build_prom_metrics(...).observe()`. Counts are deltas since the
-last call, so nothing is counted twice."""
+"""kvferry's failure counters inside vLLM's own `/metrics`: the engine core hands
+`get_kv_connector_stats()` (deltas since the last call) to the frontend, whose Prometheus logger passes
+them to `build_prom_metrics(...).observe()`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""Progressive push inside vLLM: P writes a long prompt's blocks to D as vLLM's chunked prefill completes
-them, instead of all of them after the prefill.
+"""Progressive push inside vLLM: P writes a long prompt's blocks to D as chunked prefill completes them.
 
-Scheduler half (`ProgressTracker`, in the engine core): vLLM calls `build_connector_meta` before it
-advances `request.num_computed_tokens`, so the progress a step reaches is num_computed_tokens plus the
-tokens scheduled for the request in it. The request's block ids follow vLLM's `SchedulerOutput` as its
-model runner follows them: a new request's `block_ids`, a running one's `new_block_ids` appended, a
-resumed (preempted) one's replaced. Only a single KV cache group pushes progressively (a hybrid model's
-groups push after the prefill, as before).
-
-Worker half (`ProgressGate`, in the worker): a step's progress is handed to the producer only in
-`wait_for_save`, which vLLM calls after that step's forward; with the KV cache on a device the gate
-first waits for the forward's kernels. A request vLLM preempts mid-prefill (its blocks freed and reused
-by the next forward) is rewound in `handle_preemptions`, which vLLM calls before that forward: no part
-starts from its old blocks, and the call returns once no write reads them. A write still reading them
-after `PREEMPT_WAIT_S` is cancelled and the transfer ends (D's pull fails with a typed cause and its
-policy decides). The recomputed prefill then pushes only positions not pushed yet, from its new blocks."""
+`ProgressTracker` (scheduler): a step's progress is `num_computed_tokens` plus the tokens scheduled in it.
+`ProgressGate` (worker): that progress reaches the producer only after the step's forward ran; a request
+preempted mid-prefill is rewound before the forward that may reuse its blocks."""
 
 from __future__ import annotations
 
@@ -56,8 +44,8 @@ class ProgressTracker:
         self._blocks.pop(request_id, None)
 
     def step(self, scheduler_output: Any) -> list[tuple[str, str]]:
-        """Tell the prefill side the progress this step reaches; returns (transfer id, request id) of the
-        tracked requests vLLM preempted while scheduling it."""
+        """Tell the prefill side the progress this step reaches; returns (transfer id, request id) of
+        tracked requests preempted in it."""
         if not self._requests:
             return []
         for new in scheduler_output.scheduled_new_reqs:
@@ -116,8 +104,7 @@ class ProgressGate:
             producer.add_progress(p.transfer_id, p.request_id, p.block_ids, p.num_tokens, p.prompt_digest)
 
     def preempted(self, requests: list[tuple[str, str]]) -> None:
-        """vLLM's `handle_preemptions`, before the forward that may reuse their blocks: no write reads
-        them when this returns."""
+        """vLLM's `handle_preemptions`: no write reads their blocks when this returns."""
         producer = self.prefill.worker.producer
         if not requests or producer is None:
             return

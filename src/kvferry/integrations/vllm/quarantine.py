@@ -1,25 +1,12 @@
 """Blocks a posted read may still write, kept out of vLLM's block pool while the failed request is
 reported on time (D's side, `transfer: "nixl"`).
 
-A NIXL read cannot be cancelled: one posted before P froze ends only when P resumes or dies, and until
-then its bytes may land in D's blocks. kvferry's consumer reports such a failed pull at its liveness
-verdict all the same, *quarantined* (`PDConnector.quarantine_loads`), and releases it once every read of
-it ended. Here that becomes vLLM's:
-
-- the worker half reports a quarantined load in `failed_recving` (a per-request failure), never as
-  block ids: vLLM then ends it (`fail`) or resets it to 0 computed tokens and frees its blocks before it
-  allocates anew (`recompute`), so it never computes into the blocks a read may write;
-- each worker rank tells the scheduler half which requests it quarantined and released
-  (`KVFerryWorkerMetadata`; vLLM sums the ranks' counts);
-- when vLLM learns the request finished receiving, the scheduler half takes one more reference on each of
-  the request's blocks in vLLM's `BlockPool` (`touch`) before vLLM frees them, so freeing the request
-  leaves them out of the free queue, and drops it (`free_blocks`) once every rank that quarantined has
-  released. Blocks of a local prefix-cache hit before the pulled ones are held too: they stay usable as
-  hits (a hit adds its own reference), only not evictable meanwhile.
-
-A staging buffer that NIXL reads into would cost a copy on every healthy transfer to spare a rare failure
-a few blocks; the reference is free. vLLM must bind its KV cache manager to the connector
-(`bind_kv_cache_manager`, vLLM 0.32 and 0.33 do): a D whose vLLM never does is refused at its first step."""
+A NIXL read cannot be cancelled: one posted before P froze may land in D's blocks until P resumes or
+dies. So a failed pull is reported at once but *quarantined*: the worker half reports it in
+`failed_recving` (never as block ids, so vLLM never computes into those blocks), and the scheduler half
+holds one extra `BlockPool` reference on its blocks until every rank's reads ended. A reference is free
+where a staging buffer would cost a copy on every healthy transfer. vLLM must bind its KV cache manager
+(`bind_kv_cache_manager`); a D whose vLLM never does is refused at its first step."""
 
 from __future__ import annotations
 
@@ -34,8 +21,8 @@ log = logging.getLogger("kvferry.integrations.vllm.quarantine")
 
 
 class WorkerQuarantine:
-    """The worker half's side: asks D's connector to quarantine, and sorts its report into what vLLM is
-    told (`failed_recving`) and what the scheduler half is told (quarantined, released)."""
+    """The worker half's side: sorts D's reports into what vLLM is told (`failed_recving`) and what the
+    scheduler half is told (quarantined, released)."""
 
     def __init__(self, decode: PDConnector | None) -> None:
         self.decode = decode
@@ -46,8 +33,7 @@ class WorkerQuarantine:
         self._released: Counter[str] = Counter()
 
     def drained(self, released: set[str], quarantined: set[str]) -> None:
-        """After D's connector's `get_finished`: the ids whose reads ended (D's connector returns those in
-        the sending slot; they are no sends of vLLM's), and its load reports' quarantined ids."""
+        """After D's connector's `get_finished`: the ids whose reads ended, and the quarantined ids."""
         self._failed = quarantined
         self._quarantined.update(self._failed)
         self._released.update(released)
@@ -65,8 +51,8 @@ class WorkerQuarantine:
 
 
 class BlockQuarantine:
-    """The scheduler half's side: one extra reference on each block of a quarantined request in vLLM's
-    `BlockPool`, from when vLLM learns the load ended until every rank's reads of it ended."""
+    """The scheduler half's side: one extra `BlockPool` reference on each block of a quarantined request
+    until every rank's reads of it ended."""
 
     def __init__(self) -> None:
         self.manager: Any = None  # vLLM's KVCacheManager (bind)
@@ -88,8 +74,7 @@ class BlockQuarantine:
         return sum(len(blocks) for blocks in self.held.values())
 
     def update(self, meta: Any, finished_recving: set[str]) -> None:
-        """One step's reports (`meta`: the ranks' worker metadata, if any), before vLLM frees the blocks of
-        the requests that finished receiving."""
+        """One step's reports, before vLLM frees the blocks of the requests that finished receiving."""
         quarantined, released = {}, {}
         if isinstance(meta, KVFerryWorkerMetadata):
             quarantined, released = meta.quarantined, meta.released

@@ -1,11 +1,5 @@
-"""KVFerryConnector's scheduler half, in vLLM's engine core: what vLLM's scheduler asks the connector
-(how many tokens a request's KV brings, what the worker does this step, what to answer when a request
-ends) and what it hears back from the worker (sends ended, loads failed, and why).
-
-vLLM's `Request` and `SchedulerOutput` reach kvferry's `PDConnector` through two small views
-(`RequestLike`, `SchedulerOutputLike`); kv_transfer_params that can never work read as None, logged once.
-With vLLM's hybrid allocator the block ids of every KV cache group become one list of kvferry's virtual
-block ids, the same positions on P and D (groups.py)."""
+"""KVFerryConnector's scheduler half, in vLLM's engine core: vLLM's `Request` and `SchedulerOutput` reach
+kvferry's `PDConnector` through small views; kv_transfer_params that can never work read as None."""
 
 from __future__ import annotations
 
@@ -84,12 +78,10 @@ class _StepView:
 
 
 class KVFerryScheduler:
-    """The scheduler half: vLLM's scheduler-side calls on the `PDConnector` of each role this instance
-    runs (`pd`: "prefill", "decode" or both)."""
+    """The scheduler half: vLLM's scheduler-side calls on the `PDConnector` of each role this instance runs."""
 
     def __init__(self, pd: dict[str, PDConnector], groups: KVGroups | None = None, num_blocks: int = 0) -> None:
         self.pd = pd
-        # vLLM's KV cache groups and block pool size: block ids of a hybrid KV cache → virtual ids
         self.groups, self.num_blocks = groups, num_blocks
         self._step = 0
         self._bad_params: OrderedDict[str, None] = OrderedDict()
@@ -105,10 +97,8 @@ class KVFerryScheduler:
         # P: long prompts go to D while vLLM's chunked prefill computes them (progress.py)
         self.progress = ProgressTracker(pd[PREFILL], groups, self._view) if PREFILL in pd else None
 
-    # ---- once at start ------------------------------------------------------------------------------
     def set_handshake(self, metadata: dict[int, Any]) -> None:
-        """P: vLLM hands over every worker's bootstrap entries (tensor parallel rank → handshake) once
-        the KV caches are registered; the engine core serves P's bootstrap for all its ranks."""
+        """P: every worker's bootstrap entries, once the KV caches are registered; served for all ranks."""
         prefill = self.pd.get(PREFILL)
         if prefill is None or self.bootstrap_server is not None:
             return
@@ -143,15 +133,13 @@ class KVFerryScheduler:
             params = None
         return _RequestView(request, params)
 
-    # ---- what vLLM's scheduler calls ----------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         """vLLM (0.33) added a request to its waiting queue."""
         self._note_queued(request)
 
     def _note_queued(self, request: Any) -> None:
-        """P: tell the prefill side that a `do_remote_decode` request is queued (once per request), so
-        its transfer is `working` from now on: a pull for it waits for the prefill and D's heartbeat acks
-        list it, however long P's queue is."""
+        """P: tell the prefill side once that a `do_remote_decode` request is queued, so its transfer is
+        `working` however long P's queue is."""
         prefill = self.pd.get(PREFILL)
         if prefill is None or request.request_id in self.queued:
             return
@@ -163,19 +151,15 @@ class KVFerryScheduler:
                 self.progress.add(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        # The first time vLLM looks at a waiting request: where `on_new_request` does not exist (older vLLM),
-        # this is where P learns its request is queued. Idempotent, as vLLM may call it every step.
+        # Where `on_new_request` does not exist (older vLLM), P learns here its request is queued.
         self._note_queued(request)
         decode = self.pd.get(DECODE)
         if decode is None:
             return 0, False
         view = self._view(request)
         if num_computed_tokens % decode.config.block_size:
-            # A pull starts on a block edge (vLLM 0.33 hands over block-aligned hits): with a hit that
-            # ends inside a block the request computes the rest locally, and P's blocks are released
-            # when it finishes.
+            # A pull starts on a block edge: a hit ending inside a block computes the rest locally.
             return 0, False
-        # With a local prefix-cache hit D pulls only the prompt's blocks past it (`first_block`).
         return decode.get_num_new_matched_tokens(view, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -208,9 +192,8 @@ class KVFerryScheduler:
         for r, pd in self.pd.items():
             meta = pd.build_connector_meta(step)
             assert isinstance(meta, PDMetadata)
-            # A request that ended before admission is in this step's finished ids AND has a release-only
-            # pull here; PDConnector's worker would start the pull and abort it at once, so P would never
-            # hear of it and keep the blocks until its lease expires. The release IS the abort.
+            # A request that ended before admission has a release-only pull here: that release is its
+            # abort (aborting it too would leave P holding the blocks until its lease expires).
             meta.finished_req_ids -= {p.request_id for p in meta.to_pull if not p.block_ids}
             by_role[r] = meta
         return KVFerryConnectorMetadata(by_role, preempted)
@@ -226,8 +209,7 @@ class KVFerryScheduler:
         if params.get("do_remote_prefill") and DECODE in self.pd:
             return self.pd[DECODE].request_finished(view, block_ids)
         if len(self.pd) == 1 and not self._warned_local:
-            # A P or D that computes whole requests itself is legal, but usually means a router sent P/D
-            # fields vLLM's OpenAI server drops (sglang-router's bootstrap_*): both sides compute everything.
+            # Legal, but usually a router whose P/D fields vLLM drops: both sides compute everything.
             self._warned_local = True
             log.warning("request %s on this %s carried no kv_transfer_params for it: served locally, no KV "
                         "transfer (a router whose P/D fields vLLM drops, e.g. sglang-router, makes every "
@@ -253,8 +235,7 @@ class KVFerryScheduler:
         if prefill is not None and sent:
             prefill.transfers_ended(set(sent))  # their transfer_ids are free for another request again
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        # Before vLLM frees the blocks of the loads that ended (it calls this first); also in a step with no
-        # worker metadata: with TP the last rank to finish a load may have nothing to say.
+        # Before vLLM frees the ended loads' blocks; also without worker metadata (a TP rank may have none).
         self.quarantine.update(meta, set(connector_output.finished_recving or ()))
         if isinstance(meta, KVFerryWorkerMetadata):
             for request_id, (cause, message) in meta.causes.items():

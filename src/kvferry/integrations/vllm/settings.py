@@ -1,6 +1,5 @@
-"""KVFerryConnector's settings: the keys of vLLM's `kv_connector_extra_config`, checked once when the
-connector starts (an unknown key, an open host without a secret or a bad fault spec fails fast), and the
-`PDConfig` each role's `PDConnector` gets."""
+"""KVFerryConnector's settings: vLLM's `kv_connector_extra_config`, checked once at start so a mistake fails
+fast, and the `PDConfig` each role's `PDConnector` gets."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from kvferry.connector.bootstrap import PrefillAllowList
 from kvferry.connector.config import PDConfig
 from kvferry.connector.faults import FaultSpec
 
-# A child of the integration's logger (kvferry.integrations.vllm): one name to configure for all of it.
 log = logging.getLogger("kvferry.integrations.vllm.settings")
 
 PREFILL, DECODE = "prefill", "decode"
@@ -25,9 +23,8 @@ _CASTS: dict[str, Any] = {"str": str, "int": int, "float": float, "bool": bool,
 ROLES = {"kv_producer": (PREFILL,), "kv_consumer": (DECODE,), "kv_both": (PREFILL, DECODE)}
 
 
-def kvferry_roles(vllm_config: Any, kv_cache_config: Any, kv_role: str) -> tuple[str, ...]:
-    """The kvferry sides (prefill, decode) this vLLM instance runs, or ValueError for a vLLM setup
-    kvferry does not support."""
+def kvferry_roles(vllm_config: Any, kv_role: str) -> tuple[str, ...]:
+    """The kvferry sides this vLLM instance runs, or ValueError for a setup kvferry does not support."""
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("KVFerryConnector does not support pipeline parallelism yet (pipeline_parallel_size "
@@ -51,8 +48,7 @@ def is_mla(vllm_config: Any) -> bool:
 
 @dataclass(frozen=True)
 class KVFerrySettings:
-    """`kv_connector_extra_config` keys (all optional). Unknown keys are rejected, so a typo fails fast.
-    The defaults are `PDConfig`'s, read by field."""
+    """`kv_connector_extra_config` keys (all optional; unknown keys are rejected). Defaults are `PDConfig`'s."""
 
     engine_id: str  # default: vLLM's kv_transfer_config.engine_id
     host: str = PDConfig.host  # address P's bootstrap/control/transfer endpoints bind and advertise; env KVFERRY_HOST
@@ -66,8 +62,7 @@ class KVFerrySettings:
     heartbeat_interval_s: float = PDConfig.heartbeat_interval_s
     heartbeat_timeout_s: float = PDConfig.heartbeat_timeout_s
     heartbeat_ceiling_s: float = PDConfig.heartbeat_ceiling_s  # most a slow P is waited on (liveness adapts up to it)
-    # Copy KV through a host mirror: "auto" when the KV cache is not in host memory (a GPU), "always"
-    # (host memory too: tests), "never" (a KV cache on a device is refused)
+    # Copy KV through a host mirror: "auto" (a device KV cache), "always", "never" (a device one is refused)
     staging: str = "auto"
     prefill_allow: tuple[str, ...] = PDConfig.prefill_allow  # D: the hosts whose bootstrap servers it may pull from
     bootstrap_timeout_s: float = PDConfig.bootstrap_timeout_s  # D: a bootstrap lookup fails after this (a refused one too)
@@ -87,7 +82,6 @@ class KVFerrySettings:
         unknown = sorted(set(extra) - set(keys))
         if unknown:
             raise ValueError(f"unknown kvferry setting(s) {unknown} in kv_connector_extra_config; known: {keys}")
-        # Each key given is cast to its field's type; a key not given keeps the field's default.
         given = {**extra, "engine_id": extra.get("engine_id") or default_engine_id}
         given.setdefault("host", os.environ.get("KVFERRY_HOST", cls.host))
         given.setdefault("faults", os.environ.get("KVFERRY_FAULTS", cls.faults))
@@ -112,9 +106,8 @@ class KVFerrySettings:
         return settings
 
     def for_data_parallel(self, dp_rank: int, dp_size: int, tp_size: int, engine_id_given: bool) -> KVFerrySettings:
-        """Each data parallel rank is its own engine: its own engine id (vLLM already suffixes its own
-        id with `_dp<rank>`; one from the extra config gets the same), bootstrap port + dp_rank, and
-        fixed ports shifted past the lower ranks' ranks."""
+        """Each data parallel rank is its own engine: engine id `_dp<rank>` (as vLLM suffixes its own),
+        bootstrap port + dp_rank, fixed ports shifted past the lower ranks'."""
         if dp_size <= 1:
             return self
         return dataclasses.replace(
@@ -126,30 +119,11 @@ class KVFerrySettings:
         )
 
     def pd_config(self, role: str, block_size: int, tp_size: int = 1, tp_rank: int = 0) -> PDConfig:
-        return PDConfig(
-            role=role,
-            engine_id=self.engine_id,
-            host=self.host,
-            tp_size=tp_size,
-            tp_rank=tp_rank,  # one vLLM worker process = one kvferry rank of tp_size
-            block_size=block_size,
-            bootstrap_port=self.bootstrap_port,
-            abort_timeout_s=self.abort_timeout_s,
-            kv_load_deadline_s=self.kv_load_deadline_s,
-            transfer=self.transfer,
-            checksums=self.checksums,
-            faults=FaultSpec.parse(self.faults),
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-            heartbeat_ceiling_s=self.heartbeat_ceiling_s,
-            prefill_allow=self.prefill_allow,
-            bootstrap_timeout_s=self.bootstrap_timeout_s,
-            control_port=self.control_port,
-            data_port=self.data_port,
-            advertise_host=self.advertise_host,
-            progressive_push=self.progressive_push,
-            progressive_min_tokens=self.progressive_min_tokens,
-        )
+        """One vLLM worker process is one kvferry rank of `tp_size`; every setting `PDConfig` shares carries over."""
+        shared = {f.name for f in dataclasses.fields(PDConfig)} & {f.name for f in dataclasses.fields(self)}
+        return PDConfig(role=role, tp_size=tp_size, tp_rank=tp_rank, block_size=block_size,
+                        faults=FaultSpec.parse(self.faults),
+                        **{name: getattr(self, name) for name in shared - {"faults"}})
 
 
 def check_nixl(host: str, insecure: bool) -> None:

@@ -1,15 +1,8 @@
-"""KVFerryConnector's worker half, in vLLM's worker (the model runner's process): it hands kvferry the
-KV cache's layout, starts each step's sends and pulls, and tells the scheduler which ended: each
-finished id once per direction, and only ids vLLM still holds (anything else would trip its asserts).
-
-Under tensor parallelism every worker is one kvferry rank: its own data plane, its own control socket
-(P) and its own pulls (D rank r pulls exactly its heads from the P ranks that hold them). vLLM's
-`KVOutputAggregator` finishes a request only when every rank reported it and unions the ranks' invalid
-blocks, so one rank's failed load fails (or recomputes) the whole request on every rank.
-
-With several KV cache groups (vLLM's hybrid allocator) a block id means nothing without its group, and
-vLLM 0.33's scheduler refuses block-level load errors: a failed load is reported per request instead
-(`failed_recving`), and vLLM then ends it (`fail`) or computes its whole prompt again (`recompute`)."""
+"""KVFerryConnector's worker half, in the model runner's process: it hands kvferry the KV cache's layout,
+starts each step's sends and pulls, and reports each finished id once per direction and only ids vLLM
+still holds (anything else trips vLLM's asserts). Under tensor parallelism every worker is one kvferry
+rank; vLLM finishes a request only when every rank reported it, so one rank's failed load fails the
+request on all. With several KV cache groups a failed load is reported per request (`failed_recving`)."""
 
 from __future__ import annotations
 
@@ -72,8 +65,7 @@ class KVFerryWorker:
         self._device = getattr(next(iter(kv_caches.values()), None), "device", None)
         self.layout = VllmKVLayout(kv_caches, num_blocks, self.block_size, KVFerrySettings.STAGING[self.settings.staging],
                                    self.tp_rank, self.tp_size, replicated=self.mla, groups=groups)
-        # Threads inherit the creating thread's CPU affinity: started under vLLM's compute binding (the
-        # CPU worker pins itself to its OMP cores), they would starve behind the model.
+        # Threads inherit this thread's affinity: under vLLM's compute binding they would starve.
         with connector_affinity() as cpus:
             for pd in self.pd.values():
                 pd.register_kv_layout(self.layout)
@@ -90,8 +82,7 @@ class KVFerryWorker:
         for r, pd_meta in meta.by_role.items():
             if r == PREFILL:
                 self._expect_send.update(s.request_id for s in pd_meta.to_send)
-                # A request that ended mid-prefill after pushing progressively lends its blocks too
-                # (vLLM holds them, `delay_free`, until they are reported sent).
+                # A request that ended mid-prefill after pushing progressively lends its blocks too.
                 self._expect_send.update(d.request_id for d in pd_meta.dead_transfers if d.lent)
                 if self.gate is not None:
                     pd_meta = self.gate.hold(pd_meta)
@@ -128,9 +119,8 @@ class KVFerryWorker:
 
     @property
     def per_request_failures(self) -> bool:
-        """Several KV cache groups: vLLM takes failed loads per request, never as block ids. A sliding
-        window too: recomputing from an invalid block would need the window's tokens before it, which D
-        never received (null blocks), so the whole prompt is recomputed."""
+        """Several KV cache groups or a sliding window: failed loads go per request, never as block ids
+        (recomputing from an invalid block would need window tokens D never received)."""
         groups = None if self.layout is None else self.layout.groups
         return groups is not None and groups.hybrid
 

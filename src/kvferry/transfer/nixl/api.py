@@ -1,13 +1,9 @@
 """Loading NIXL (optional dependency) and making agents, without importing torch.
 
-`import nixl` (the meta package) picks the backend wheel by the CUDA version of whatever stack is
-loaded; with a CPU build of torch installed and nothing imported yet it imports torch (~1.5 s, some
-hundreds of MB) only to learn that there is no CUDA. The backend wheels themselves (`nixl_cu12`,
-`nixl_cu13`, ...) need only numpy, so one is imported directly, unless the meta package is there and
-has something to decide (torch is loaded, or several backends are installed).
-
-NIXL's Python logger writes to stdout; it is moved to stderr here (stdout belongs to the program:
-`kvferry.harness.peer` speaks JSON lines on it) and kept at WARNING unless NIXL_LOG_LEVEL says."""
+`import nixl` (the meta package) may import torch only to learn there is no CUDA; the backend wheels
+(`nixl_cu12`, ...) need only numpy, so one is imported directly unless the meta package has something to
+decide. NIXL's logger is moved to stderr (stdout belongs to the program) and kept at WARNING unless
+NIXL_LOG_LEVEL says."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 _BACKENDS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
-# The UCX progress thread's poll() timeout (µs, rounded up to ms). It wakes at once on UCX's events;
-# the timeout only bounds how late it notices what raises none.
+# The UCX progress thread's poll() timeout (µs): it bounds how late it notices what raises no event.
 PROGRESS_DELAY_US = 1000
 LISTEN_DELAY_US = 100_000  # nixl_agent's own value (there is no listener thread here)
 INSTALL_HINT = "pip install 'kvferry[nixl]' (or nixl-cu12 and nixl --no-deps)"
@@ -60,19 +55,10 @@ def available() -> bool:
 
 def new_agent(name: str, loopback: bool) -> Any:
     """One agent with the UCX backend, its progress thread, no listener thread (metadata travels in
-    kvferry's own grant tokens and notifications) and thread-safe calls.
-
-    The progress thread sleeps in poll() on UCX's event fd for at most PROGRESS_DELAY_US between
-    rounds. nixl_agent hardcodes a delay of 0, and then the thread polls with a zero timeout: it spins,
-    about 60 % of a core on an idle agent and more while a read waits on a frozen peer. So the agent
-    is built without backends, its C++ agent replaced by one made from a full config, and the UCX
-    backend (which starts the thread) created on that.
-
-    On a loopback host (unless the environment says otherwise) UCX is kept on `lo`
-    (UCX_NET_DEVICES: by default its TCP transport listens on every interface) and its InfiniBand
-    modules are not loaded (UCX_MODULES=^ib*): nothing on one host needs them, and where Debian's
-    libibverbs1 is installed too, two copies of libnl-route end up in the process and it crashes at
-    exit (SIGSEGV in rtnl_tc_unregister)."""
+    kvferry's own tokens) and thread-safe calls. nixl_agent hardcodes a progress delay of 0, which
+    spins a core, so its C++ agent is replaced by one made from a full config (PROGRESS_DELAY_US) before
+    the UCX backend starts the thread. On loopback UCX is kept on `lo` (its TCP transport otherwise
+    listens on every interface) without InfiniBand modules (a second libnl-route crashes at exit)."""
     if _api is None:
         raise ImportError(f"nixl is not installed ({INSTALL_HINT}): {IMPORT_ERROR}")
     if loopback:
@@ -100,9 +86,8 @@ def empty_reg_list(mem: str) -> Any:
 
 
 def call(fn: Callable[..., Any], *args: Any) -> str | None:
-    """Call a NIXL method; None, or what it raised as text (`nixlRemoteDisconnectError(...)`: the
-    peer's connection broke). NIXL's errors derive from Exception directly. Only text leaves: a kept
-    exception's traceback holds the agent's frames, and so the agent, its threads and sockets, alive."""
+    """Call a NIXL method; None, or what it raised as text. Only text leaves: a kept exception's
+    traceback would keep the agent, its threads and sockets, alive."""
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001

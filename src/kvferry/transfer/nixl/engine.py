@@ -1,31 +1,11 @@
 """Optional data plane on NIXL (UCX): `pip install 'kvferry[nixl]'`; `--transfer nixl`.
 
-NIXL and UCX authenticate nothing, and a peer that has connected to a UCX worker can make it write
-anywhere in its process (UCP's software RMA writes where the message header says; `cma` writes with
-process_vm_writev; neither checks a registration). So this engine never lets a peer write into it.
-The *receiver* moves the bytes: the sender asks with a NIXL notification (REQ: its ops, its deadline,
-its partial metadata naming only the source regions of this chunk) and D reads them into its grant
-with a NIXL READ, after checking that every destination lies inside the open grant. Hence:
-- grants are enforced by D itself, and a token describes none of D's memory (it carries D's
-  connection-only metadata, the grant id and the regions ops may name);
-- `written` is exactly what D's own completed reads wrote; the sender's write returns once D
-  acknowledged every chunk (ACK), so by the time P replies OK on the control plane D has counted it;
-- `close_grant` never waits: no read starts after it and none that ends counts; reads of the grant
-  already posted (a frozen sender holds them over UCX's tcp; with cma a read completes inside the call
-  that posts it) may still land, so the grant is `draining` until each has ended;
-- with KVFERRY_SECRET, tokens and notifications carry HMAC tags under keys derived from it: a REQ,
-  ACK or token made without the secret is refused (counted in `stats`); without a secret the 128-bit
-  grant id is the capability, as with the TCP engine.
-What it cannot give: UCX's own listener (TCP) accepts anyone who reaches it, and a peer that speaks
-UCX can write into this process regardless of grants. `kvferry serve` therefore refuses `nixl` on a
-non-loopback host without `--insecure`, and on loopback UCX is kept on `lo` (docs/security.md).
-A sender's source memory may be read by D after its write gave up if D had already taken the request
-(D starts no read after the sender's deadline; on one host both share CLOCK_MONOTONIC, elsewhere D
-uses the ttl from arrival); P sends CANCEL when it gives up early (abort).
-
-The engine's `address` is `host:port` of a reserved port (bound, never listening): it names the
-engine for the control plane; the token carries what a sender needs, and the sender refuses a token
-whose address is not the peer it was told to write to."""
+NIXL and UCX authenticate nothing, and a UCX peer can make a worker write anywhere in its process, so
+this engine never lets a peer write into it: the sender asks with a notification (REQ) and D reads the
+bytes into its own grant (recv.py). With KVFERRY_SECRET, tokens and notifications carry HMAC tags;
+without it the 128-bit grant id is the capability. UCX's listener still accepts anyone, which is why
+`kvferry serve` refuses `nixl` off loopback without `--insecure`. The engine's `address` is a reserved,
+never-listening port that names it; a sender refuses a token whose address is not the peer it dials."""
 
 from __future__ import annotations
 
@@ -116,15 +96,13 @@ class NixlTransferEngine(TransferEngine):
         self._pump = threading.Thread(target=self._run, name="kvferry-nixl", daemon=True)
         self._pump.start()
 
-    # ---- interface --------------------------------------------------------------------------------
     @property
     def address(self) -> str:
         return self._address
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters (COUNTERS), and two gauges: reads posted and not ended (`reads_in_flight`: a frozen
-        sender holds them), closed grants that such reads still keep draining (`grants_draining`)."""
+        """Counters (COUNTERS), and gauges: reads posted and not ended, closed grants still draining."""
         reads, draining = self._recv.in_flight
         return {**self._counts, "reads_in_flight": reads, "grants_draining": draining}
 
@@ -204,7 +182,6 @@ class NixlTransferEngine(TransferEngine):
         self._agent = None  # the C++ agent (its UCX workers and threads) goes with the last reference
         self._reserved.close()
 
-    # ---- sender -----------------------------------------------------------------------------------
     def _plan(self, tok: nw.Token, ops: Sequence[WriteOp]) -> list[tuple[str, np.ndarray, frozenset[str]]]:
         """Coalesced ops in chunks of one source memory type: (memory type, OP_DTYPE rows, src regions)."""
         ridx = {name: i for i, (name, _, _) in enumerate(tok.regions)}
@@ -286,7 +263,6 @@ class NixlTransferEngine(TransferEngine):
                        nw.FAILED: (E.RESET, "failed to read it")}[status]
         w.fail(TransferError(cause, f"{w.peer} {what}"))
 
-    # ---- the pump: notifications and posted reads -------------------------------------------------
     def _busy(self) -> bool:
         return bool(self._writes) or self._recv.busy
 
@@ -295,10 +271,8 @@ class NixlTransferEngine(TransferEngine):
             self._cond.notify_all()
 
     def _run(self) -> None:
-        """Poll fast right after something happened (a notification, a read that ended), backing off to
-        POLL_MAX_S while writes wait for acks or grants are open, and to IDLE_POLL_S otherwise: a request
-        for a closed grant still gets its REJECTED, and a read a frozen sender holds is no progress, so
-        it costs a poll now and then, not a spinning core."""
+        """Poll fast right after progress, backing off to POLL_MAX_S while busy and IDLE_POLL_S otherwise,
+        so a read a frozen sender holds costs a poll now and then, not a spinning core."""
         delay = POLL_MIN_S
         while True:
             with self._cond:

@@ -1,17 +1,10 @@
-"""The receiving side of the NIXL engine: grants, and the reads D makes on a sender's request.
+"""The receiving side of the NIXL engine: grants, and the reads D makes on a sender's request, after
+checking every destination lies inside the open grant and the sender's deadline has not passed.
 
-D never describes its memory to anyone: a grant token carries connection-only metadata. A sender asks
-(REQ notification) and D itself reads the bytes into the grant with a NIXL READ, after checking that
-every destination lies inside the open grant and that the sender's deadline has not passed. So the
-grant is enforced by D, progress is what D's own completed reads wrote (`written`), and `close`
-is a fence that never waits: it marks the grant closed (no read starts afterwards, none that ends
-counts) and returns the final `written` at once. Reads of the grant already posted (with cma they
-complete inside the posting call; over UCX's tcp they need the sender's progress, so a frozen sender
-holds them) may still land bytes: until each has ended (done or failed, as NIXL reports it), the grant
-is *draining* and its memory must not be reused (`draining`, which D's consumer asks before it hands
-the blocks back). A read is never cancelled to end it sooner: NIXL's release of an active read over
-UCX's tcp reports success, and its bytes still land when the sender resumes
-(tests/transfer/test_nixl_fence.py)."""
+`close` is a fence that never waits: no read starts afterwards and none that ends counts. Reads already
+posted may still land (a frozen sender holds them), so the grant is *draining* until each ended. A read
+is never cancelled to end it sooner: NIXL reports releasing an active read as success, yet its bytes
+still land when the sender resumes."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.transfer.base import ByteRange, TransferError, TransferErrorCause
-from kvferry.transfer.grants import Span, grant_spans, merge_spans
+from kvferry.transfer.grants import Span, allowed_arrays, grant_spans, merge_spans
 from kvferry.transfer.nixl import wire as nw
 from kvferry.transfer.nixl.regions import NixlRegions, Peers
 
@@ -91,8 +84,7 @@ class Receiver:
 
     @property
     def busy(self) -> bool:
-        """Grants are open: requests and reads for them want prompt polls. Reads of closed grants alone
-        (held by a frozen sender) do not: when they end only decides when quarantined memory is reused."""
+        """Grants are open: requests and reads for them want prompt polls (reads of closed grants do not)."""
         return bool(self._by_token)
 
     @property
@@ -105,7 +97,6 @@ class Receiver:
         with self._lock:
             return token in self._draining
 
-    # ---- grants -----------------------------------------------------------------------------------
     def open(self, ranges: Sequence[ByteRange]) -> str:
         merged = merge_spans(grant_spans(self._regions, ranges))
         names = list(dict.fromkeys(s[0] for s in merged))
@@ -114,11 +105,7 @@ class Receiver:
             region = self._regions.get(name)
             assert region is not None
             infos.append((name, region.mem, region.dev))
-        allowed = {
-            name: (np.array([s[1] for s in merged if s[0] == name], np.uint64),
-                   np.array([s[2] for s in merged if s[0] == name], np.uint64))
-            for name in names
-        }
+        allowed = allowed_arrays(merged)
         gid = nw.new_gid()
         address, agent, md = self._token_info()
         token = nw.encode_token(nw.Token(gid, address, agent, md, tuple(infos)), self._keys)
@@ -175,7 +162,6 @@ class Receiver:
                 log.warning("a posted NIXL read could not be cancelled at close")
         self._agent = None
 
-    # ---- notifications from senders ---------------------------------------------------------------
     def on_note(self, sender: str, note: nw.Note) -> None:
         grant = self._by_gid.get(note.gid)
         if note.kind == nw.PING:
@@ -262,16 +248,14 @@ class Receiver:
         return None
 
     def _in_regions(self, names: list[str], ridx: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> bool:
-        """Every op names one of the grant's regions and lies inside that region, checked before the grant
-        (as the TCP plane does) so that no sum below can wrap: a region is far smaller than 2**64."""
+        """Every op lies inside one of the grant's regions, checked first so that no sum below can wrap."""
         if bool((ridx >= len(names)).any()):
             return False
         sizes = np.array([r.size if (r := self._regions.get(n)) else 0 for n in names], np.uint64)[ridx]
         return not bool(((dst > sizes) | (lens > sizes - np.minimum(dst, sizes))).any())
 
     def poll(self) -> bool:
-        """Check posted reads; True when one of them ended (the pump's sign of progress: a read held by
-        a frozen sender ends nothing, so the pump backs off rather than spin on it)."""
+        """Check posted reads; True when one ended (the pump's sign of progress)."""
         with self._lock:
             reads = list(self._reads)
         ended = False

@@ -1,16 +1,10 @@
 """What the NIXL engine puts into grant tokens and NIXL notifications, and the tags on both.
 
-Token (D → P, inside the sealed PullRequest): the grant id (16 random bytes), D's advertised address,
-D's agent name and its *connection-only* metadata (no memory is described), and the grant's regions
-(name, memory type, device) that ops may name by index. Notifications (P ↔ D, over UCX):
-- REQ (P → D): "read these ops of mine into your grant": write id, chunk number, P's deadline, P's
-  agent name and partial metadata (only the source regions of this chunk), the ops table;
-- ACK (D → P): how D's read of one chunk ended; CANCEL (P → D): P gave up on a write; PING (P → D):
-  a probe that fails at once when D's connection is gone.
-With a deployment secret every token and notification carries a 16-byte HMAC-SHA256 tag under a key
-derived from it by HKDF for that use alone (token, P → D, D → P; `transfer/secret.py`), so a token or notification made without
-the secret is refused; without one the tag is all zeros and the 128-bit grant id is the capability,
-as the TCP engine's token is."""
+Token (D → P, inside the sealed PullRequest): grant id, D's address, agent name, *connection-only*
+metadata and the grant's regions. Notifications: REQ (P → D: read these ops into your grant), ACK (D →
+P: how a chunk's read ended), CANCEL (P gave up), PING (a probe). With a deployment secret each carries a
+16-byte HMAC-SHA256 tag under a key for that use alone; without one the tag is zeros and the 128-bit
+grant id is the capability."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Key schedule of the authenticated TCP data plane (when a shared secret is set).
 
-The handshake transcript holds both nonces, both flag bytes, the address the client dialed (as the
-client spells it: the `peer` of `write`) and the address the server advertises (what its
-`TcpTransferEngine.address` returns), both in canonical form. From secret and transcript, HKDF
-(RFC 5869, SHA-256, pyca `cryptography`; salt = both nonces, info = the "tcp" label of
-`transfer.secret` + the transcript's hash) derives the two handshake proofs and one AES-256-GCM key per
-direction. So a proof made for one connection, one listener or one dialed address is worth nothing
-anywhere else: an attacker that P dials and that relays P's handshake to a real kvferry listener
-fails (the listener refuses an address that is not its own, and the proofs cover both addresses),
-and every later message is encrypted (its payload) and tagged under this connection's key with its
-sequence number as nonce, every reply tagged the same way (`mac`), so a spliced, replayed, reordered or
-altered frame is refused and a tap reads no KV byte."""
+HKDF over the secret (salt: both nonces; info: the "tcp" label + the transcript's hash) derives both
+handshake proofs and one AES-256-GCM key per direction. The transcript holds both nonces, both flag
+bytes, the address the client dialed and the one the server advertises, so a proof is worth nothing on
+another connection, listener or dialed address: a relay of P's handshake to a real listener fails."""
 
 from __future__ import annotations
 

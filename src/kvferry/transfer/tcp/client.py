@@ -1,11 +1,9 @@
 """Send side of the TCP engine: per-peer connection pool, handshake, zero-copy gather with sendmsg.
 
-Every socket call gets a timeout computed from the caller's deadline. A connection that saw any error
-is closed, never returned to the pool, so the next write to that peer starts from a fresh connection.
-A pooled connection is used only while younger (idle) than `Limits.client_idle`, half the server's
-idle timeout; one that turns out closed by the server before any reply came (a broken pipe, or EOF
-before any reply) is replaced once by a fresh connection and the write sent again: writes are
-idempotent, and the server only closes between messages."""
+Every socket call's timeout comes from the caller's deadline, and a connection that saw any error is
+closed, never pooled. A pooled connection is reused only while idle less than `Limits.client_idle`
+(below the server's idle timeout); one found closed before any reply is replaced once and the write
+sent again, which is safe because writes are idempotent and the server only closes between messages."""
 
 from __future__ import annotations
 
@@ -66,7 +64,6 @@ class TcpClient:
         self._busy: dict[_Link, str] = {}  # link → peer, from connect until release
         self._closed = False
 
-    # -- pool -----------------------------------------------------------------------------------
     def _acquire(self, peer: str, deadline: float, token: str) -> _Link:
         while True:
             with self._lock:
@@ -103,8 +100,7 @@ class TcpClient:
         link.sock.close()
 
     def abort(self, peer: str, token: str | None = None) -> None:
-        """Make the write to `peer` for grant `token` (every write to `peer` when None) fail now,
-        handshake included; other transfers' writes to the same peer go on."""
+        """Make the write to `peer` for `token` (all when None) fail now, handshake included."""
         with self._lock:
             busy = [k for k, p in self._busy.items() if p == peer and token in (None, k.token)]
             idle = self._idle.pop(peer, []) if token is None else []
@@ -118,12 +114,9 @@ class TcpClient:
             self._idle.clear()
         _drop(idle, busy)
 
-    # -- connection -----------------------------------------------------------------------------
     def _connect(self, peer: str, deadline: float, token: str = "") -> _Link:
-        """A fresh, authenticated connection. A handshake the server cut (it closed the connection, or
-        it stopped answering) is tried again on a new connection until `deadline`: the server bounds a
-        handshake as it would a stranger's, and a live peer starved of the CPU (or this process) can
-        outlast that bound. An explicit refusal (wrong secret, a relay) is final."""
+        """A fresh, authenticated connection. A handshake the server cut is retried until `deadline`: a
+        live but CPU-starved peer can outlast the server's bound. An explicit refusal is final."""
         backoff = HANDSHAKE_BACKOFF_S
         while True:
             try:
@@ -173,7 +166,6 @@ class TcpClient:
         self._stats.add("connections_opened")
         return link
 
-    # -- write ----------------------------------------------------------------------------------
     def write(self, peer: str, messages: list[Message], deadline: float, token: str = "") -> None:
         link = self._acquire(peer, deadline, token)
         ok = False
@@ -208,8 +200,7 @@ class TcpClient:
                 self._read_reply(link, peer, deadline)
                 replies += 1
         except (BrokenPipeError, EOFError) as e:
-            # The server closed this idle connection before our bytes came (it never closes mid-message
-            # without a reply): nothing of this write was taken, so it may go again on a fresh one.
+            # The server closed this idle connection before our bytes came: nothing was taken, resend.
             if link.pooled and not replies and not link.aborted and not self._closed:
                 raise _Stale() from e
             raise
@@ -225,8 +216,8 @@ class TcpClient:
         self._send_parts(sock, [memoryview(msg.head), *msg.views], deadline)
 
     def _send_sealed(self, link: _Link, tags: Tags, msg: Message, deadline: float) -> None:
-        """Header + meta in clear (the tag covers them), the payload encrypted, then the tag: gathered
-        into one buffer (one copy), sealed in one call into the link's reusable output buffer."""
+        """Header + meta in clear (the tag covers them), the payload encrypted, then the tag, sealed in one
+        call into the link's reusable buffer."""
         size = msg.payload + wire.TAG_BYTES
         if len(link.out) < size:
             link.out = bytearray(size)

@@ -1,21 +1,10 @@
 """One accepted data-plane connection: handshake, frame checks, grant checks, scatter into memory.
 
-Sockets stay in blocking mode; every wait is a `poll` with a deadline and every read is MSG_DONTWAIT,
-so payload bytes are only ever copied by a short non-blocking call made while holding the grant's
-lock, right after checking that the grant is still open (this is what makes `close_grant` a fence).
-Nothing is allocated for a frame before its bytes arrive (meta grows as it is read) and every wait
-has a deadline from `Limits`.
-
-Without a secret, a rejected message is answered at once and its payload then drained, so the
-connection stays usable; progress counts as bytes land, which go (on Linux) from the socket straight
-to their ops' addresses with `recvmsg` over an `iovec` table.
-
-With a secret a message's payload is encrypted (AES-256-GCM, `mac`): the connection stages the whole
-message (at most `wire.AUTH_MSG_BYTES` + the tag) in a buffer of its own, decrypts and verifies it in
-one call, and only then, under the grant's lock and only if the grant is still open, copies the
-plaintext to its ops' addresses and counts it. So no unverified byte ever reaches D's memory. A bad tag
-poisons the whole grant (`Grant.poison`: nothing of it counts, further writes are refused, so the
-transfer fails and D recomputes) and closes the connection. Malformed frames close it too."""
+Payload bytes are only copied by a short non-blocking call made under the grant's lock right after
+checking the grant is open: that makes `close_grant` a fence. Without a secret a rejected message is
+answered at once and its payload drained, keeping the connection usable. With a secret the whole message
+is staged and verified first, so no unverified byte reaches D's memory; a bad tag poisons the grant and
+closes the connection, as does a malformed frame."""
 
 from __future__ import annotations
 
@@ -79,8 +68,8 @@ class Conn(SockIO):
         self._replies = bytearray()  # replies not sent yet (`reply`)
 
     def reply(self, status: wire.Status, code: wire.Code, reason: str = "") -> None:
-        """Replies go out in order; an OK waits while the next message is already arriving (the client
-        reads replies once it sent every message): one send for many 1 MiB sealed messages, not one each."""
+        """Replies go out in order; an OK waits while the next message is already arriving, so many
+        messages cost one send."""
         data = wire.encode_reply(status, code, reason)
         if self.tags is not None:  # the reply to message k carries a tag with sequence number k
             data += self.tags.send.tag(self.tags.sent, data)

@@ -1,16 +1,6 @@
-"""The built-in data plane: plain TCP, zero-copy gather on send, scatter into registered memory on receive.
-
-Sender (`write`): ops are coalesced, split into messages and sent with `sendmsg` straight from the
-registered source memory (an iovec table of addresses, `iovec`; memoryviews with a secret or off
-Linux); the call returns once the receiver acknowledged every message.
-Receiver: a listener thread plus one thread per connection; `recvmsg` scatters each message straight
-into registered memory (the same kind of table), and bytes land only inside an open grant
-(see `conn` for how `close_grant` fences writers). What a stranger can make it spend is capped
-(`tcp_limits`: connections in total and per IP, handshake, idle and frame deadlines, clamped ttl,
-frame sizes). With a shared secret (argument or env KVFERRY_SECRET) both ends prove knowledge of it
-in a handshake bound to both nonces and both addresses, and every message and reply carries a tag
-under a per-connection key (`tcp_auth`, `mac`): a relayed handshake or an altered byte is refused, and
-an authenticated message counts as written only once its tag verified."""
+"""The built-in data plane: plain TCP, zero-copy gather on send (`client`), scatter into registered memory
+on receive (`server`, `conn`), bytes landing only inside an open grant. What a stranger can make it spend
+is capped (`limits`); with a shared secret both ends authenticate and every message is sealed (`auth`)."""
 
 from __future__ import annotations
 
@@ -32,8 +22,7 @@ from kvferry.transfer.tcp.server import TcpServer
 class TcpTransferEngine(TransferEngine):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: str | bytes | None = None, *,
                  advertise: str | None = None, limits: Limits | None = None) -> None:
-        """`advertise`: the `host:port` peers dial, when not the bound one (NAT, a 0.0.0.0 bind); port 0
-        there means the bound port."""
+        """`advertise`: the `host:port` peers dial when not the bound one (port 0: the bound port)."""
         # Env KVFERRY_SECRET when not given; a weak one is refused (WeakSecret) before anything listens.
         key = secret_rules.from_env() if secret is None else (secret_rules.check_secret(secret) if secret else None)
         self._auth = key is not None

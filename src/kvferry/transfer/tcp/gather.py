@@ -1,11 +1,8 @@
 """Copies between a sealed message's contiguous buffer and its ops' scattered ranges, vectorised.
 
-With a secret each side copies once between the KV memory and the buffer that is encrypted or was
-decrypted (the kernel does it without one). A Python slice per op cost ~0.5 us, more than the 2 KiB it
-copies; when every op of a message has one length L and one region (paged KV blocks), numpy copies
-them all in one fancy-indexing call over an (offsets, L) window view of the region. Measured on the dev
-box, random 2 KiB blocks of a 64 MiB region: 0.16 s/GiB scattered this way, 0.5-0.9 s/GiB slice by
-slice. Ops that differ in length or region go slice by slice."""
+A Python slice per op costs more than the 2 KiB it copies, so when every op of a message has one length
+and one region (paged KV blocks) numpy copies them all in one fancy-indexing call over a window view of
+the region; other messages go slice by slice."""
 
 from __future__ import annotations
 

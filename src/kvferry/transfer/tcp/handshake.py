@@ -1,10 +1,9 @@
 """Both halves of the data-plane handshake: HELLO (+ server address) → AUTH (+ dialed address) → RESULT.
 
-With a secret the client refuses, before it proves anything, a server that does not require the
-secret or that names another address than the one dialed (a relay); the proof it then sends covers
-both addresses, and the server refuses a dialed address that is not its own (MISDIRECTED) or a wrong
-proof, and answers with its own proof of the same transcript (`tcp_auth`). The server's half runs
-under one deadline however the bytes trickle in."""
+With a secret the client refuses, before proving anything, a server that does not require the secret
+or names another address than the one dialed (a relay); its proof covers both addresses, and the server
+refuses a dialed address not its own (MISDIRECTED) or a wrong proof. The server's half runs under one
+deadline however the bytes trickle in."""
 
 from __future__ import annotations
 
@@ -85,10 +84,8 @@ def server_handshake(
     io: SockIO, secret: bytes | None, advertised: str, timeout: float, stats: Counters,
     admit: Callable[[], bool] = lambda: True,
 ) -> tuple[bool, Tags | None]:
-    """(admitted, tagging state); raises Stall past `timeout`, ProtocolError on a malformed AUTH.
-
-    `admit` is asked once the client passed, before OK is sent: when it says no (the connection lost
-    its slot), nothing is sent and the caller closes the connection."""
+    """(admitted, tagging state); raises Stall past `timeout`, ProtocolError on a malformed AUTH. `admit`
+    is asked before OK is sent: when it says no, nothing is sent and the caller closes the connection."""
     deadline = time.monotonic() + timeout
     nonce = os.urandom(wire.NONCE_BYTES)
     sflags = wire.FLAG_AUTH if secret else 0

@@ -1,12 +1,7 @@
-"""`sendmsg`/`recvmsg` on iovec tables built with numpy: scatter/gather without a Python object per op.
-
-`socket.sendmsg`/`recvmsg_into` want one buffer object per piece; with 2 KiB blocks building those
-views (and the GC passes they trigger) cost more CPU than the kernel's copy. Here the iovec table is
-a numpy array of (address, length) rows handed to libc through ctypes (the GIL is released during
-the call). Linux only (the `msghdr` layout below is glibc's and musl's on 64-bit); elsewhere
-`AVAILABLE` is False and callers keep the memoryview path.
-
-Callers pass only addresses inside memory they keep alive and checked against its region."""
+"""`sendmsg`/`recvmsg` on iovec tables built with numpy: scatter/gather without a Python object per op
+(with 2 KiB blocks, building a buffer per piece costs more than the kernel's copy). The table goes to libc
+through ctypes with the GIL released. Linux only (glibc's and musl's 64-bit `msghdr`); elsewhere
+`AVAILABLE` is False. Callers pass only addresses inside memory they keep alive and checked."""
 
 from __future__ import annotations
 
@@ -102,10 +97,8 @@ class Io:
         return self._call(self._recv, iov, i, j, socket.MSG_DONTWAIT)
 
     def send_all(self, iov: np.ndarray, deadline: float, on_sent: Callable[[int], None]) -> None:
-        """Send every row, waiting (poll) for room until `deadline` (TimeoutError after it).
-
-        Rows are consumed: a partly sent row is re-pointed at its rest. `on_sent` gets each call's
-        byte count (progress for the caller's counters)."""
+        """Send every row, polling for room until `deadline` (TimeoutError after it). Rows are consumed;
+        `on_sent` gets each call's byte count."""
         ends = np.cumsum(iov[:, 1]).tolist()
         n_rows, i, pos = len(iov), 0, 0
         poll = select.poll()
@@ -124,8 +117,8 @@ class Io:
 
 
 def advance(iov: np.ndarray, ends: list[int], i: int, pos: int) -> int:
-    """After `pos` bytes of the table's stream went through: the first incomplete row, re-pointed at
-    its rest when it went through partly. `ends[k]` is where row k ends in the stream."""
+    """The first incomplete row after `pos` bytes went through, re-pointed at its rest; `ends[k]` is where
+    row k ends in the stream."""
     k = bisect.bisect_right(ends, pos, i)
     if k < len(ends):
         rest = ends[k] - pos

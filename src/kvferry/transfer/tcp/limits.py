@@ -1,33 +1,9 @@
-"""What a stranger who reaches the data-plane port can make the receiver spend, bounded by construction.
+"""What a stranger who reaches the data-plane port can make the receiver spend, bounded by construction:
+each limit is the default of one `Limits` field, each refusal counted in `stats`.
 
-Every limit is a named constant, the default of one `Limits` field (tests pass smaller ones), and every
-refusal it causes is counted in the engine's `stats`:
-
-| constant | default | bounds | counted as |
-|---|---|---|---|
-| `MAX_PENDING` | 128 | connections still in the handshake (one thread + one fd each); a new one evicts the oldest | `evicted_handshakes` |
-| `MAX_PENDING_PER_BUCKET` | 64 | ... from one address bucket (`bucket`: IPv4 /24, all of 127/8, IPv6 /64) | `evicted_handshakes` |
-| `HANDSHAKE_TIMEOUT_S` | 2 s | accept to authenticated, however the bytes trickle | `handshake_timeouts` |
-| `MAX_CONNECTIONS` | 256 | connections that completed the handshake (proven peers) | `refused_connections` |
-| `IDLE_TIMEOUT_S` | 60 s | between two messages; the server then closes | `idle_closed` |
-| `FRAME_TIMEOUT_S` | 10 s | a message's header and meta, once its first byte came | `frame_timeouts` |
-| `MAX_TTL_S` | 60 s | a message's `ttl_ms` (its whole payload; + `TTL_GRACE_S`) | `frame_timeouts` |
-| `wire.MAX_OPS` | 65,536 | ops per message (what the sender's split makes) | `oversized_frames` |
-| `wire.max_meta(n_ops)` | n_ops × 18 B + 263,170 B (at most 1.44 MB) | meta bytes; read as they arrive, never preallocated | `oversized_frames` |
-
-Strangers and peers never share a budget: a connection is *pending* from accept until its handshake
-succeeded (with a secret: the peer proved it), then moves to the proven budget, which only peers reach.
-A pending connection arriving to a full budget evicts the oldest pending one of its own bucket when
-that bucket holds its share, else the oldest of the fullest bucket: a flood of half-open connections
-only churns itself, and a peer's handshake (a few ms) would have to be outrun by a bucket's whole
-share of new arrivals to be cut (measured in docs/security.md).
-
-`MAX_TTL_S`: the sender sets a message's ttl from its write deadline (P: the abort timeout, 30 s by
-default); a message carries at most 256 MiB (4 MiB with a secret), which needs well under a minute
-even on a 10 MB/s link, so a minute bounds how long a stalled or hostile message holds a thread. On
-the sending side `CLIENT_IDLE_S` (half of `IDLE_TIMEOUT_S`) retires pooled connections before any
-server would, and a pooled connection found closed before any reply is retried once on a fresh one
-(`stale_retries`)."""
+Strangers and peers never share a budget: a connection is *pending* until its handshake succeeded. A full
+pending budget evicts the oldest pending connection of the arrival's bucket when that bucket holds its
+share, else of the fullest bucket, so a flood of half-open connections only churns itself."""
 
 from __future__ import annotations
 
@@ -59,8 +35,7 @@ class Limits:
 
 
 def bucket(ip: str) -> str:
-    """The block of addresses one party is assumed to hold: an IPv4 /24 (all of 127/8 as one: any
-    local process can use any of it), an IPv6 /64 (what one subscriber gets); mapped IPv4 as IPv4."""
+    """The addresses one party is assumed to hold: an IPv4 /24 (all of 127/8), an IPv6 /64."""
     try:
         addr = ipaddress.ip_address(ip.split("%", 1)[0])
     except ValueError:

@@ -1,16 +1,10 @@
 """Authenticated encryption of the TCP data plane with a secret: AES-256-GCM from pyca `cryptography`.
 
-A write message's payload (the KV bytes) is encrypted, its header and meta (token, op table) are
-associated data; a reply is associated data only (a GMAC tag: it carries no KV). The key belongs to one
-connection and one direction (see `tcp_auth`) and the nonce is that direction's sequence number, so a
-nonce never repeats under a key, and a message or reply never verifies on another connection, at
-another position or in the other direction.
-
-Why AES-GCM: with AES-NI and carry-less multiply it is several times faster a core than
-ChaCha20-Poly1305 or an HMAC over the bytes (docs/results.md has the figures). The one-shot `encrypt_into` / `decrypt_into` calls write into
-buffers the caller reuses, and `decrypt_into` checks the tag in the same call: the receiver never uses
-a byte whose tag failed. A known-answer test runs at import; a library that fails it is refused (the
-data plane has no unencrypted fallback with a secret)."""
+A write message's payload is encrypted, its header and meta are associated data; a reply is associated
+data only. The key belongs to one connection and direction and the nonce is that direction's sequence
+number, so a nonce never repeats under a key and a message never verifies elsewhere. `decrypt_into`
+checks the tag in the same call, so the receiver never uses a byte whose tag failed. A known-answer test
+runs at import: with a secret there is no unencrypted fallback."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Turn a write's ops into wire messages: validate, coalesce adjacent runs, split, make iovecs.
 
-Vectorised with numpy: this runs once per write over thousands of small ops (the 2 KiB block case),
-and a per-op Python loop cost more than the bytes themselves. A message holds at most `wire.MSG_OPS`
-ops and `wire.MSG_BYTES` payload bytes (`wire.AUTH_MSG_BYTES` with a secret: each side encrypts or
-decrypts a whole message in one call, into buffers it reuses, and the receiver refuses larger ones)."""
+Vectorised with numpy, since a per-op Python loop costs more than the bytes. A message holds at most
+`wire.MSG_OPS` ops and `wire.MSG_BYTES` bytes (`wire.AUTH_MSG_BYTES` with a secret, as each side
+encrypts or decrypts a whole message in one call)."""
 
 from __future__ import annotations
 
@@ -27,12 +26,10 @@ class Message:
     head: bytes
     views: list[memoryview]  # empty when `iov` is set
     payload: int
-    # Without auth (on Linux): rows (address, length), the head first, then each op's source bytes;
-    # `keep` holds the source buffers alive for as long as the message may be sent.
+    # Without auth (Linux): rows (address, length), the head first; `keep` holds the sources alive.
     iov: np.ndarray | None = None
     keep: list[object] = field(default_factory=list)
-    # With a secret, when every op has one source region and one length: (that region's `windows`,
-    # the ops' source offsets); `views` is then empty and the sender gathers with one numpy call.
+    # With a secret and one source region and length: (the region's `windows`, the ops' offsets).
     rows: tuple[np.ndarray, np.ndarray] | None = None
 
 

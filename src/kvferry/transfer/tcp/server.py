@@ -1,11 +1,5 @@
-"""Receive side of the TCP engine: the listener, and the budgets connections are held in.
-
-Strangers and peers never share a budget (see `limits`): an accepted connection is *pending* until its
-handshake succeeds (`Limits.max_pending` in total, `max_pending_per_bucket` from one address bucket, a
-new one evicting the oldest), then *proven* (`max_connections`, which no stranger reaches). The move
-happens before the server answers the handshake OK, so a peer told OK always holds its slot. Each
-connection gets a thread running `conn.Conn.serve`; the server hands it a frozen `ConnContext` (not
-itself, with `admit` as the one way back) and forgets the conn when its `serve` returns."""
+"""Receive side of the TCP engine: the listener, and the budgets connections are held in (`limits`). A
+connection moves to the proven budget before the server answers OK, so a peer told OK holds its slot."""
 
 from __future__ import annotations
 
@@ -80,8 +74,7 @@ class TcpServer:
                 self.forget(conn)
 
     def _make_room(self, new: str) -> Conn | None:
-        """The pending connection a newcomer from bucket `new` evicts, if the budget is full (lock held):
-        the oldest of its own bucket once that holds its share, else the oldest of the fullest bucket."""
+        """The pending connection a newcomer from bucket `new` evicts when the budget is full (lock held)."""
         lim = self.limits
         if self._per_bucket.get(new, 0) >= lim.max_pending_per_bucket:
             take = new
@@ -109,8 +102,7 @@ class TcpServer:
         return True
 
     def _admit(self, conn: Conn) -> bool:
-        """The handshake succeeded: move `conn` to the proven budget. False if it was evicted meanwhile
-        or the proven budget is full (the server then closes it without answering OK)."""
+        """Move `conn` to the proven budget; False if it was evicted or that budget is full."""
         with self._lock:
             if not self._drop_pending(conn):
                 return False  # evicted while it finished

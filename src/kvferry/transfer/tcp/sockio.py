@@ -31,7 +31,6 @@ class SockIO:
         self._poll_in.register(sock, _POLL_IN)
         self._scratch: memoryview | None = None  # for draining rejected payloads, made on first use
 
-    # -- low level ------------------------------------------------------------------------------
     def wait(self, deadline: float) -> None:
         if not self._poll_in.poll(max(0, int((deadline - time.monotonic()) * 1000) + 1)):
             raise Stall()

@@ -1,12 +1,9 @@
 """Wire format of the built-in TCP engine (little endian, `struct` on the hot path).
 
-Connection:  server HELLO (+ its advertised address) → client AUTH (+ the address it dialed) → server
-AUTH_RESULT, then any number of write messages.
-Write message (client → server): MSG header, meta (region-name table + op table), payload bytes
-(the ops' bytes back to back, in op order).  The server answers every message with one REPLY: OK once
-every byte landed, or REJECTED/PROTOCOL with a reason (possibly before the payload was read).
-With a shared secret a message's payload is encrypted (AES-256-GCM, header and meta as associated
-data) and every message and every reply ends with a TAG_BYTES tag (see `auth`, `mac`)."""
+Connection: server HELLO (+ advertised address) → client AUTH (+ dialed address) → server AUTH_RESULT,
+then write messages: MSG header, meta (region-name table + op table), the ops' bytes in op order. Each
+gets one REPLY: OK once every byte landed, or REJECTED/PROTOCOL with a reason. With a secret the payload
+is encrypted and every message and reply ends with a TAG_BYTES tag (`auth`, `mac`)."""
 
 from __future__ import annotations
 
@@ -42,10 +39,8 @@ MAX_ADDR = 300  # bytes of an address in the handshake (a 253-byte name, bracket
 MSG_OPS = 1 << 16  # the sender's split size (ops per message)
 MAX_OPS = MSG_OPS  # the receiver refuses more: nobody legitimate sends them
 MSG_BYTES = 256 << 20  # the sender's split size (payload bytes per message), without a secret
-# With a secret the receiver stages a whole message (ciphertext + tag), decrypts and verifies it in one
-# call and only then scatters it into the grant: a message is at most this much payload (the receiver
-# refuses more). Each side then holds two such buffers per connection; with replies batched (conn's
-# `reply`) the CPU cost per GiB no longer falls past 1 MiB, so a bigger buffer only costs memory.
+# With a secret the receiver stages, decrypts and verifies a whole message before scattering it: at most
+# this much payload (more is refused), in buffers each side holds per connection.
 AUTH_MSG_BYTES = 1 << 20
 MAX_REGIONS = 1024
 MAX_NAME = 255  # bytes of one region name
