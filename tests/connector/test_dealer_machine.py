@@ -1,7 +1,8 @@
 """A hypothesis state machine over D's view of one P's liveness (issue 32.6; house rule: let hypothesis
 look for the hang or the leak in every state machine). A real P process (starved_p.py: producer, TCP data
 plane, bootstrap server, the secret set) and a real consumer on loopback; hypothesis interleaves pulls
-(served at once, or parked while P "prefills"), P's Python starved (the GIL held: libzmq still answers),
+(served at once, parked while P "prefills", or sent before P has heard of the request at all, so P
+parks it as unknown), P's Python starved (the GIL held: libzmq still answers),
 the whole process stopped (SIGSTOP, then SIGCONT), kill -9 (and a new P), and time passing.
 
 Checked after every step: a pull that ended has the outcome its history allows — served with P's exact
@@ -58,7 +59,7 @@ class Pull:
     rid: str
     tid: str
     group: list[int]
-    parked: bool  # P "prefills" it: it waits until `make_ready`
+    parked: bool  # P "prefills" it, or has not heard of it yet: it waits until `make_ready`
     p_gen: int  # which P process holds its transfer
     allowed: set[str | None] = field(default_factory=lambda: {None})  # outcomes its history allows
 
@@ -84,14 +85,16 @@ class DealerMachine(RuleBasedStateMachine):
 
     # ---- rules ---------------------------------------------------------------------------------------
     @precondition(lambda self: self.free)
-    @rule(parked=st.booleans())
-    def start_pull(self, parked: bool) -> None:
+    @rule(start=st.sampled_from(["ready", "working", "unknown"]))
+    def start_pull(self, start: str) -> None:
+        """`unknown`: D's pull comes before P's scheduler has the request (vLLM's P still queues it)."""
         self.n += 1
-        pull = Pull(f"r{self.n}", f"x{self.n}", GROUPS[self.free.pop(0)], parked, self.p_gen)
-        self.p.do(f"{'working' if parked else 'ready'} {pull.tid} p-{pull.tid}")
+        pull = Pull(f"r{self.n}", f"x{self.n}", GROUPS[self.free.pop(0)], start != "ready", self.p_gen)
+        if start != "unknown":
+            self.p.do(f"{start} {pull.tid} p-{pull.tid}")
         self.pulls[pull.rid] = pull
         self.consumer.start_pulls([PullSpec(pull.rid, pull.tid, pull.group, "starved-p", self.p.bootstrap, 16)])
-        self.log.append(f"pull {pull.rid} {'parked' if parked else 'ready'}")
+        self.log.append(f"pull {pull.rid} {start}")
 
     @precondition(lambda self: any(p.parked for p in self.pulls.values()))
     @rule(which=st.integers(0, 5))
