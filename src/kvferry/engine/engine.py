@@ -76,6 +76,10 @@ class Engine:
         self.codec = loaded.codec
         self.kv_spec = self.model.kv_cache_spec(config.num_blocks, config.block_size)
         self.kv_cache = self.model.allocate_kv_cache(self.kv_spec)
+        # Resident from the start (the pool hands out blocks in turn, so otherwise every first use of a
+        # block faults its pages in): no page faults mid-request, the footprint is taken at startup,
+        # and RSS that grows later is a leak, which `kvferry soak` judges.
+        self.kv_cache.fill(0.0)
         self.pool = BlockPool(config.num_blocks)
         self.scheduler_connector = scheduler_connector or NoOpConnector()
         self.worker_connector = worker_connector or self.scheduler_connector
