@@ -2,9 +2,9 @@
 
 Every pull runs as a coroutine on one asyncio loop (its own thread). Whatever goes wrong — ERROR
 reply, err_reqs, data-plane error, exception, receive timeout (liveness off; a live P is asked
-again), bootstrap failure, lost peer, deadline, bad checksum — ends in `_handle_failed_recv`, which reports the request in finished_recving together
-with exactly the blocks that were not completely and correctly written. The loop never touches
-scheduler state: it only fills the outbox that the engine thread drains once per step.
+again), bootstrap failure, lost peer, deadline, bad checksum — ends in `_handle_failed_recv`, which
+reports the request with exactly the blocks not completely and correctly written. The loop never
+touches scheduler state: it only fills the outbox that the engine thread drains once per step.
 """
 
 from __future__ import annotations
