@@ -41,7 +41,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineBusyError(TimeoutError):
-    """The engine thread is alive but inside a step longer than the wait; asking again later gets an answer."""
+    """The engine thread is alive but inside a step longer than the wait: ask again later."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class Engine:
         self.worker_connector.register_kv_cache(self.kv_spec, self.kv_cache)
         shared = {f.name for f in fields(SchedulerConfig)} & {f.name for f in fields(config)}
         # vocab_size: P's first token in any other id is not used (D computes its own).
-        sched_config = SchedulerConfig(vocab_size=self.model.config.vocab_size, **{n: getattr(config, n) for n in shared})
+        sched_config = SchedulerConfig(vocab_size=self.model.config.vocab_size,
+                                       **{n: getattr(config, n) for n in shared})
         self.scheduler = Scheduler(sched_config, self.pool, self.scheduler_connector)
         self._streams = Streams(self.metrics)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -142,7 +143,8 @@ class Engine:
 
     def snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
         """State for /debug/state, computed on the engine thread so no step pays for it. Raises
-        EngineBusyError when the thread is in a step longer than `timeout`, EngineDeadError when it is gone."""
+        EngineBusyError when the thread is in a step longer than `timeout`, EngineDeadError when it is
+        gone."""
         with self._snapshot_lock:
             future = self._pending_snapshot
             if future is None or future.done():

@@ -230,7 +230,7 @@ class Consumer:
                 waiting, timeout=max(0.0, deadline - self.loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
-                # P owes its own answer (`p_owes_since`) or lives (`ask_again`): the request's deadline bounds this.
+                # P owes its answer (`p_owes_since`) or lives (`ask_again`): the request's deadline bounds it.
                 owes = p_owes_since(pull, self._dealers)
                 if owes is not None and owes + self.config.recv_timeout_s > self.loop.time():
                     deadline = owes + self.config.recv_timeout_s

@@ -136,7 +136,8 @@ def stall_stage(pull: PullMeta, dealers: Dealers, now: float) -> str:
             stages.append(f"P rank {t.p_rank}: has not taken the request in (the pull waits there)")
         else:
             again = f", asked again {pull.asked_again}x" if pull.asked_again else ""
-            stages.append(f"P rank {t.p_rank}: pull not answered{again}, P last heard {now - dealer.last_seen:.1f}s ago")
+            heard = now - dealer.last_seen
+            stages.append(f"P rank {t.p_rank}: pull not answered{again}, P last heard {heard:.1f}s ago")
     return "; ".join(stages)
 
 
@@ -161,9 +162,9 @@ def ask_again(pull: PullMeta, dealers: Dealers) -> bool:
     P answers a repeat idempotently: from its remembered answer, by the write in flight, or afresh if
     the pull itself was lost. False when a rank's connection is gone (D fails the pull then)."""
     key = (pull.spec.transfer_id, pull.request_id)
-    live = [d for t in pull.tasks if not t.done
-            if (d := dealers.get((t.d_rank, t.control_addr))) is not None and key in d.waiters and not d.lost]
-    if len(live) < sum(not t.done for t in pull.tasks):
+    pending = [dealers.get((t.d_rank, t.control_addr)) for t in pull.tasks if not t.done]
+    live = [d for d in pending if d is not None and key in d.waiters and not d.lost]
+    if len(live) < len(pending):
         return False
     pull.asked_again += 1
     log.warning("no answer from P for %s within the receive timeout while P lives: asked again (%d), "
